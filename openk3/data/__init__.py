@@ -1,0 +1,1 @@
+"""Tokenizers and data (no model imports)."""

@@ -1,0 +1,255 @@
+"""The official checkpoint format: the only file that knows the released tensor names (spec/model.md §8-10).
+
+Our parameter names equal the checkpoint's after the prefix `language_model.`, except for:
+- routed experts: we stack them (`...experts.w1` [E, F, Lt]); the checkpoint has one tensor per expert,
+  `...experts.{e}.w1.weight` (plain) or `...experts.{e}.w1.weight_packed` + `.weight_scale` (MXFP4, uint8);
+- `A_log`: we hold [H]; the checkpoint pads it with zeros to head_dim entries (96 -> 128 in the release);
+  loading accepts any length >= H whose extra entries are exactly zero.
+Vision tensors (`vision_tower.*`, `mm_projector.*`) are skipped with a notice until the vision tower exists.
+
+Files: `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` listed by `model.safetensors.index.json`.
+Pickle files (.bin/.pt/.pth/.ckpt) are refused and never opened: unpickling can run arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from openk3.config import K3Config
+from openk3.ops.moe.mxfp4 import check_scales, mxfp4_pack, mxfp4_unpack
+
+log = logging.getLogger("openk3")
+
+PREFIX = "language_model."
+SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_EXPERTS = re.compile(r"^(model\.layers\.\d+\.block_sparse_moe\.experts)\.(w[123])$")
+_SHARD = re.compile(r"^model-\d+-of-\d+\.safetensors$")
+_MAX_NAMES = 12
+
+
+def _names(keys) -> str:
+    keys = sorted(keys)
+    more = f" ... (+{len(keys) - _MAX_NAMES} more)" if len(keys) > _MAX_NAMES else ""
+    return ", ".join(keys[:_MAX_NAMES]) + more
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """Map every stored tensor name to the file holding it."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        missing = {v for v in weight_map.values() if not os.path.exists(os.path.join(path, v))}
+        if missing:
+            raise FileNotFoundError(f"{INDEX_FILE} names shard files that do not exist: {_names(missing)}")
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.exists(single):
+        with safe_open(single, "pt") as f:
+            return {k: single for k in f.keys()}
+    pickles = [n for n in os.listdir(path) if n.endswith(PICKLE_SUFFIXES)]
+    if pickles:
+        raise ValueError(
+            f"{path} holds only pickle weight files ({_names(pickles)}); openk3 never unpickles weights because "
+            f"that can execute arbitrary code. Convert them to safetensors in a trusted environment first."
+        )
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+
+
+class _Reader:
+    """Opens each safetensors file once and reads tensors by name."""
+
+    def __init__(self, files: dict[str, str]):
+        self.files = files
+        self._handles: dict[str, object] = {}
+
+    def get(self, key: str) -> torch.Tensor:
+        file = self.files[key]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, "pt")
+        return self._handles[file].get_tensor(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        file = self.files[key]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, "pt")
+        return tuple(self._handles[file].get_slice(key).get_shape())
+
+
+def _expert_keys(base: str, matrix: str, e: int) -> str:
+    return f"{PREFIX}{base}.{e}.{matrix}"
+
+
+def load_pretrained(cls, path, dtype: torch.dtype | None = None, device="cpu"):
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint folder {path} does not exist")
+    config = K3Config.from_pretrained(path)
+    files = _weight_files(path)
+    reader = _Reader(files)
+    with torch.device("meta"):
+        model = cls(config)
+
+    skipped = [k for k in files if k.startswith(SKIPPED_PREFIXES)]
+    if skipped:
+        log.warning("skipping %d vision tensors (vision_tower.*, mm_projector.*): the vision tower is not built yet",
+                    len(skipped))  # fmt: skip
+    used: set[str] = set(skipped)
+    missing, bad_shape, state = [], [], {}
+    for name, param in model.named_parameters():
+        m = _EXPERTS.match(name)
+        if m:
+            tensor, hints = _load_experts(reader, m.group(1), m.group(2), tuple(param.shape), used, missing, bad_shape)
+            if tensor is not None:
+                state[name] = tensor
+                if hints is not None:
+                    experts = model.get_submodule(m.group(1))
+                    experts.__dict__.setdefault("mxfp4_scale_hints", {})[m.group(2)] = hints
+            continue
+        key = PREFIX + name
+        if key not in files:
+            missing.append(key)
+            continue
+        used.add(key)
+        tensor = reader.get(key)
+        if name.endswith("A_log"):
+            tensor = _unpad_a_log(key, tensor, param.shape[0])
+        if tuple(tensor.shape) != tuple(param.shape):
+            bad_shape.append(f"{key} {tuple(tensor.shape)} (expected {tuple(param.shape)})")
+            continue
+        state[name] = tensor
+    unexpected = set(files) - used
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_names(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_names(unexpected)}")
+    if bad_shape:
+        problems.append(f"wrongly shaped tensors: {_names(bad_shape)}")
+    if problems:
+        raise ValueError(f"checkpoint {path} does not match its config.json; " + "; ".join(problems))
+    model.load_state_dict(state, assign=True, strict=True)
+    for name, p in model.named_parameters():  # assign=True keeps requires_grad of the loaded tensor
+        p.requires_grad_(not name.endswith("e_score_correction_bias"))
+    if dtype is not None:
+        model.to_dtype(dtype)
+    return model.to(device)
+
+
+def _unpad_a_log(key: str, tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    if tensor.dim() == 1 and tensor.shape[0] > num_heads:
+        if bool((tensor[num_heads:] != 0).any()):
+            raise ValueError(f"{key}: padding entries {num_heads}..{tensor.shape[0] - 1} of A_log must be exactly zero")
+        return tensor[:num_heads].clone()
+    return tensor
+
+
+def _load_experts(reader, base, matrix, shape, used, missing, bad_shape):
+    """Stack one layer's `experts.{e}.{matrix}` into [E, out, in]; MXFP4 is decoded exactly. Returns
+    (tensor or None, scale hints [E, out, in/32] or None)."""
+    E, out_dim, in_dim = shape
+    pieces, scales = [], []
+    for e in range(E):
+        key = _expert_keys(base, matrix, e)
+        if key + ".weight" in reader.files:
+            used.add(key + ".weight")
+            t = reader.get(key + ".weight")
+            if tuple(t.shape) != (out_dim, in_dim):
+                bad_shape.append(f"{key}.weight {tuple(t.shape)} (expected {(out_dim, in_dim)})")
+                continue
+            pieces.append(t)
+        elif key + ".weight_packed" in reader.files and key + ".weight_scale" in reader.files:
+            used.update((key + ".weight_packed", key + ".weight_scale"))
+            packed, scale = reader.get(key + ".weight_packed"), reader.get(key + ".weight_scale")
+            if tuple(packed.shape) != (out_dim, in_dim // 2) or tuple(scale.shape) != (out_dim, in_dim // 32):
+                bad_shape.append(
+                    f"{key}.weight_packed/.weight_scale {tuple(packed.shape)}/{tuple(scale.shape)} "
+                    f"(expected {(out_dim, in_dim // 2)}/{(out_dim, in_dim // 32)})"
+                )
+                continue
+            check_scales(scale, torch.bfloat16, key + ".weight_scale")
+            pieces.append(mxfp4_unpack(packed, scale, torch.bfloat16))
+            scales.append(scale)
+        else:
+            missing.append(key + ".weight")
+    if len(pieces) != E:
+        return None, None
+    hints = torch.stack(scales) if len(scales) == E else None
+    return torch.stack(pieces), hints
+
+
+def _checkpoint_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (official name, tensor) for the text model, in the release's dtypes as they are in `model`."""
+    text = model.config.text_config
+    quant = text.quantization_config
+    for name, param in model.named_parameters():
+        t = param.detach()
+        m = _EXPERTS.match(name)
+        if m:
+            hints = getattr(model.get_submodule(m.group(1)), "mxfp4_scale_hints", {}).get(m.group(2))
+            for e in range(t.shape[0]):
+                key = _expert_keys(m.group(1), m.group(2), e)
+                if quant is not None:
+                    packed, scale = mxfp4_pack(t[e], hints[e] if hints is not None else None)
+                    yield key + ".weight_packed", packed
+                    yield key + ".weight_scale", scale
+                else:
+                    yield key + ".weight", t[e]
+            continue
+        if name.endswith("A_log"):
+            width = max(text.linear_attn_config.head_dim, t.shape[0])
+            t = torch.cat([t, t.new_zeros(width - t.shape[0])])
+        yield PREFIX + name, t
+
+
+def save_pretrained(model, path, max_shard_size: int | None = None) -> None:
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    tensors = {k: v.contiguous().cpu() for k, v in _checkpoint_tensors(model)}
+    sizes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    running = 0
+    for key in sorted(tensors):
+        if max_shard_size is not None and shards[-1] and running + sizes[key] > max_shard_size:
+            shards.append({})
+            running = 0
+        shards[-1][key] = tensors[key]
+        running += sizes[key]
+    n = len(shards)
+    names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:06d}-of-{n:06d}.safetensors" for i in range(n)]
+    # Write every file under a temporary name first, then rename: a crash leaves the previous checkpoint intact.
+    written = []
+    for name, shard in zip(names, shards):
+        tmp = os.path.join(path, f".{name}.tmp")
+        save_file(shard, tmp, metadata={"format": "pt"})
+        written.append((tmp, os.path.join(path, name)))
+    index_tmp = None
+    if n > 1:
+        weight_map = {k: names[i] for i, shard in enumerate(shards) for k in shard}
+        index_tmp = os.path.join(path, f".{INDEX_FILE}.tmp")
+        with open(index_tmp, "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))},
+                      f, indent=2)  # fmt: skip
+            f.write("\n")
+    for tmp, final in written:
+        os.replace(tmp, final)
+    if index_tmp is not None:
+        os.replace(index_tmp, os.path.join(path, INDEX_FILE))
+    # Remove weight files of an earlier save with a different layout so no stale tensors are picked up.
+    for stale in os.listdir(path):
+        if stale in names:
+            continue
+        if stale == SINGLE_FILE or _SHARD.match(stale) or (stale == INDEX_FILE and n == 1):
+            os.remove(os.path.join(path, stale))
+    model.config.save_pretrained(path)

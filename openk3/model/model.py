@@ -1,0 +1,283 @@
+"""K3ForCausalLM: embed -> decoder layers (KDA or MLA mixer, dense or MoE FFN, Block AttnRes between them) ->
+output AttnRes mix -> norm -> untied LM head (spec/model.md §3).
+
+Block Attention Residuals (spec/model.md §4): there is no plain residual stream. Per layer l (block size B):
+    h  = Mix(P, bank; self_attention_res_*) if bank else P       (only layer 0 sees an empty bank)
+    if l % B == 0: bank.append(P)                                (AFTER the mix: the incoming P, a finished block)
+    P  = a if l % B == 0 else P + a                              (a = mixer output; a block restarts the partial)
+    h2 = Mix(P, bank; mlp_res_*);   P = P + FFN(h2)
+and after the last layer Mix(P, bank; output_attn_res_*) feeds the final norm.
+
+Construction is cheap and works under `torch.device("meta")`; `init_weights()` is the one place that sets values
+(the training recipe), `init_random_weights()` fills every tensor with non-trivial values for tests, and
+`from_pretrained` bypasses both. Checkpoint I/O lives in model/hf.py.
+
+Legend: B batch rows, T tokens (packed T_all), D hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import nn
+
+from openk3.config import K3Config
+from openk3.model.batch import ForwardBatch
+from openk3.model.cache import K3Cache
+from openk3.model.hf import load_pretrained, save_pretrained
+from openk3.model.kda import KimiDeltaAttention
+from openk3.model.layers import DenseMLP, RMSNorm, ShortConvolution
+from openk3.model.mla import GatedMLA
+from openk3.model.moe import StableLatentMoE
+from openk3.ops.attnres import attn_res_mix
+from openk3.ops.sampling import sample
+
+# Parameters the release stores (and every precision policy keeps) in fp32 (spec/model.md §11).
+FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")
+
+
+def keeps_fp32(name: str) -> bool:
+    return name.endswith(FP32_PARAM_SUFFIXES)
+
+
+class K3DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        text = config
+        D, eps = text.hidden_size, text.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.kind = text.layer_kind(layer_idx)
+        self.block_start = text.is_block_start(layer_idx)
+        self.input_layernorm = RMSNorm(D, eps)
+        self.post_attention_layernorm = RMSNorm(D, eps)
+        self.self_attention_res_norm = RMSNorm(D, eps)
+        self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+        self.mlp_res_norm = RMSNorm(D, eps)
+        self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+        self.self_attn = KimiDeltaAttention(text) if self.kind == "kda" else GatedMLA(text)
+        if text.ffn_kind(layer_idx) == "dense":
+            self.mlp = DenseMLP(D, text.intermediate_size, text.activation_situ_beta, text.activation_situ_linear_beta)
+        else:
+            self.block_sparse_moe = StableLatentMoE(text)
+
+    @staticmethod
+    def _mix(bank, partial, norm: RMSNorm, proj: nn.Linear):
+        return attn_res_mix(bank, partial, norm.weight, proj.weight, norm.eps)
+
+    def forward(self, partial_TD: torch.Tensor, bank: list[torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+        h = self._mix(bank, partial_TD, self.self_attention_res_norm, self.self_attention_res_proj) if bank else partial_TD
+        if self.block_start:
+            bank.append(partial_TD)
+        cache = batch.cache.layers[self.layer_idx] if batch.cache is not None else None
+        a = self.self_attn(self.input_layernorm(h), batch, cache)
+        partial_TD = a if self.block_start else partial_TD + a
+        h2 = self._mix(bank, partial_TD, self.mlp_res_norm, self.mlp_res_proj)
+        ffn = self.mlp if hasattr(self, "mlp") else self.block_sparse_moe
+        return partial_TD + ffn(self.post_attention_layernorm(h2))
+
+
+class K3Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        text = config
+        D = text.hidden_size
+        self.embed_tokens = nn.Embedding(text.vocab_size, D, padding_idx=text.pad_token_id)
+        self.layers = nn.ModuleList(K3DecoderLayer(text, i) for i in range(text.num_hidden_layers))
+        self.norm = RMSNorm(D, text.rms_norm_eps)
+        self.output_attn_res_norm = RMSNorm(D, text.rms_norm_eps)
+        self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        partial_TD = self.embed_tokens(batch.input_ids_T)
+        bank: list[torch.Tensor] = []
+        for layer in self.layers:
+            partial_TD = layer(partial_TD, bank, batch)
+        y = attn_res_mix(bank, partial_TD, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
+                         self.output_attn_res_norm.eps)  # fmt: skip
+        return self.norm(y)
+
+
+class K3ForCausalLM(nn.Module):
+    """The K3 text model. `K3ForCausalLM(K3Config.preset("tiny"))`, or `K3ForCausalLM.from_pretrained(dir)`."""
+
+    def __init__(self, config: K3Config | str):
+        super().__init__()
+        if isinstance(config, str):
+            config = K3Config.preset(config)
+        config.text_config.validate()
+        self.config = config
+        text = config.text_config
+        self.model = K3Model(text)
+        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+
+    @property
+    def text_config(self):
+        return self.config.text_config
+
+    # ---- initialisation -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """The from-scratch training initialisation (call after `to_empty` when built on meta):
+
+        - every Linear weight, the routed experts and the embedding: N(0, initializer_range); the embedding's
+          padding row is zero (as the released code's `_init_weights`);
+        - every RMSNorm weight (layer norms, q_a/kv_a norms, AttnRes norms, routed_expert_norm, o_norm): 1;
+        - AttnRes pseudo-queries (`*_res_proj`, `output_attn_res_proj`): 0, so each mix starts as the plain mean
+          of its sources, as the AttnRes paper trains them;
+        - KDA `A_log` = 0 and `dt_bias` = softplus^-1(dt) with dt log-uniform in [1e-3, 1e-1] (FLA's layer default
+          for the lower-bound gate; K3's own init is unpublished); the short convs: U(-1/sqrt(W), 1/sqrt(W)),
+          PyTorch's Conv1d default;
+        - router `e_score_correction_bias`: 0 (quantile balancing moves it during training).
+        """
+        std = self.text_config.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("_res_proj.weight"):
+                p.zero_()
+            elif name.endswith("A_log") or name.endswith("e_score_correction_bias"):
+                p.zero_()
+            elif name.endswith("dt_bias"):
+                dt = torch.exp(torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=generator))
+                dt = dt.clamp(min=1e-4)
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1
+            elif name.endswith("conv1d.weight"):
+                bound = 1.0 / math.sqrt(p.shape[-1])
+                p.copy_(torch.empty(p.shape).uniform_(-bound, bound, generator=generator))
+            elif p.dim() == 1:  # every remaining vector is a norm weight
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.empty(p.shape).normal_(0.0, std, generator=generator))
+        pad = self.text_config.pad_token_id
+        if pad is not None:
+            self.model.embed_tokens.weight[pad].zero_()
+
+    @torch.no_grad()
+    def init_random_weights(self, seed: int = 0) -> None:
+        """Non-trivial values in every tensor (for tests and `k3 init`): unlike `init_weights`, no tensor is zero or
+        constant, so no mechanism (AttnRes queries, router bias, KDA gate parameters, norm gains) hides behind a
+        zero or a one. Magnitudes keep the forward pass well conditioned."""
+        gen = torch.Generator().manual_seed(seed)
+
+        def randn(shape):
+            return torch.randn(shape, generator=gen)
+
+        for name, p in self.named_parameters():
+            if name.endswith(("A_log", "dt_bias", "conv1d.weight")):
+                p.copy_(0.5 * randn(p.shape))
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(0.05 * randn(p.shape))  # the size of real router-score gaps, so it changes choices
+            elif name.endswith("_res_proj.weight"):
+                p.copy_(randn(p.shape) / math.sqrt(p.shape[-1]))
+            elif p.dim() == 1:
+                p.copy_(1.0 + 0.1 * randn(p.shape))
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(randn(p.shape))
+            else:
+                p.copy_(randn(p.shape) / math.sqrt(p.shape[-1]))
+
+    def to_dtype(self, dtype: torch.dtype) -> K3ForCausalLM:
+        """Cast every parameter to `dtype` except those the release keeps in fp32 (`FP32_PARAM_SUFFIXES`)."""
+        for name, p in self.named_parameters():
+            p.data = p.data.to(torch.float32 if keeps_fp32(name) else dtype)
+        return self
+
+    # ---- forward ---------------------------------------------------------------------------------------------
+    def forward_batch(self, batch: ForwardBatch) -> torch.Tensor:
+        """Packed forward: logits [T, V] for the packed tokens of `batch` (updates `batch.cache` in place)."""
+        if batch.cache is not None and batch.cache.num_seqs != batch.num_seqs:
+            raise ValueError(f"the cache holds {batch.cache.num_seqs} sequences, the batch has {batch.num_seqs}")
+        logits = self.lm_head(self.model(batch))
+        if batch.cache is not None:
+            batch.cache.advance(batch.seq_lens)
+        return logits
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: K3Cache | None = None
+    ) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V]; padded positions (attention_mask 0) get zero logits.
+
+        `attention_mask` covers only the tokens of this call (the cache holds the rest); padding may sit anywhere,
+        the released convention is left padding. With a cache, row b continues cached sequence b."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        if attention_mask is None:
+            batch = ForwardBatch.from_lengths(input_ids.reshape(-1), [T] * B, cache)
+            return self.forward_batch(batch).view(B, T, -1)
+        mask = attention_mask.bool()
+        if mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        lens = mask.sum(-1).tolist()
+        if min(lens) == 0:
+            raise ValueError("a row of attention_mask has no tokens")
+        batch = ForwardBatch.from_lengths(input_ids[mask], lens, cache)
+        packed = self.forward_batch(batch)
+        logits = packed.new_zeros(B, T, packed.shape[-1])
+        logits[mask] = packed
+        return logits
+
+    def new_cache(self, batch_size: int) -> K3Cache:
+        p = self.model.embed_tokens.weight
+        return K3Cache(self.config, batch_size, dtype=p.dtype, device=p.device)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos_token_id: int | None = None,
+        seed: int | None = None,
+    ) -> torch.Tensor:
+        """Greedy (temperature 0) or sampled continuation with the recurrent cache.
+
+        input_ids [B, T], left-padded when rows differ in length. Returns [B, T + n] with n <= max_new_tokens;
+        rows that emitted `eos_token_id` are filled with the pad id afterwards."""
+        if attention_mask is not None and not bool(attention_mask[:, -1].all()):
+            raise ValueError("generate() needs left padding: the last column of attention_mask must be all ones")
+        gen = torch.Generator(device=input_ids.device).manual_seed(seed) if seed is not None else None
+        B = input_ids.shape[0]
+        cache = self.new_cache(B)
+        logits = self.forward(input_ids, attention_mask, cache)[:, -1]
+        pad = self.text_config.pad_token_id
+        done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        out = [input_ids]
+        for step in range(max_new_tokens):
+            nxt = sample(logits, temperature, top_k, top_p, generator=gen)
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            out.append(nxt[:, None])
+            if eos_token_id is not None:
+                done |= nxt == eos_token_id
+            if bool(done.all()) or step == max_new_tokens - 1:
+                break
+            logits = self.forward(nxt[:, None], None, cache)[:, -1]
+        return torch.cat(out, dim=1)
+
+    # ---- parameter counts ------------------------------------------------------------------------------------
+    def num_parameters(self) -> tuple[int, int]:
+        """(total, active per token) counted from the tensors at their logical shapes (spec/model.md §13):
+        active excludes the input embedding and the unselected routed experts of every MoE layer."""
+        text = self.text_config
+        total = sum(p.numel() for p in self.parameters())
+        per_expert = 3 * text.moe_intermediate_size * text.routed_expert_hidden_size
+        moe_layers = sum(text.ffn_kind(i) == "moe" for i in range(text.num_hidden_layers))
+        idle = moe_layers * (text.num_experts - text.num_experts_per_token) * per_expert
+        return total, total - self.model.embed_tokens.weight.numel() - idle
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls, path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    ) -> K3ForCausalLM:
+        """Load an official-format checkpoint folder (config.json + safetensors, single file or sharded; routed
+        experts plain or MXFP4). dtype=None keeps the stored dtypes (bf16 + the fp32 tensors of spec §11)."""
+        return load_pretrained(cls, path, dtype=dtype, device=device)
+
+    def save_pretrained(self, path: str | os.PathLike, max_shard_size: int | None = None) -> None:
+        """Write config.json + safetensors under the official names, atomically; sharded past `max_shard_size`
+        bytes; routed experts as MXFP4 when the config carries a quantization_config."""
+        save_pretrained(self, path, max_shard_size=max_shard_size)

@@ -1,0 +1,102 @@
+"""StableLatentMoE: K3's routed FFN (spec/model.md §7.3; K3 report Eq. 11).
+
+    s        = sigmoid(f32(x) W_gate^T)                          router scores, fp32 [T, E]
+    idx      = top-k of s + e_score_correction_bias              the bias only selects (frozen at inference)
+    w        = s[idx] / sum s[idx]                               renormalised unbiased weights
+    z        = routed_expert_down_proj(x)                        into the latent width
+    y        = bf16( sum_j f32(w_j) * f32(w2_j(SiTU-GLU(w1_j z, w3_j z))) )   ascending expert id
+    out      = routed_expert_up_proj(RMSNorm(y)) + shared_experts(x)
+
+Two swap points keep the layer single-device math: `dispatcher` (how latent tokens reach their experts; expert
+parallelism swaps in an all-to-all one) and `observer` (training registers it to see router scores and choices for
+quantile balancing and load metrics; the model never imports the trainer).
+
+The experts are stored stacked ([E, ...] per matrix) for grouped GEMMs; model/hf.py maps them to the checkpoint's
+`experts.{e}.w{1,2,3}` tensors (w1 = gate, w3 = up, w2 = down).
+
+Legend: T tokens, D hidden, E experts, k experts per token, Lt latent width, F expert hidden.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from openk3.config import K3TextConfig
+from openk3.model.layers import DenseMLP, RMSNorm
+from openk3.ops.moe.route import route_topk, router_scores
+from openk3.ops.situ import situ_glu
+
+
+class MoEGate(nn.Module):
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        # Updated by load balancing, not by gradients; fp32 in the release.
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False)
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, num_experts: int, latent: int, hidden: int, beta: float, linear_beta: float):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, latent))  # gate  [E, F, Lt]
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, latent))  # up    [E, F, Lt]
+        self.w2 = nn.Parameter(torch.empty(num_experts, latent, hidden))  # down  [E, Lt, F]
+        self.beta, self.linear_beta = beta, linear_beta
+
+    def expert_forward(self, e: int, z_nL: torch.Tensor) -> torch.Tensor:
+        h = situ_glu(z_nL @ self.w1[e].t(), z_nL @ self.w3[e].t(), self.beta, self.linear_beta)
+        return h @ self.w2[e].t()
+
+
+def local_dispatch(z_TL: torch.Tensor, idx_Tk: torch.Tensor, w_Tk: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+    """Group tokens by expert, run each expert once, and add the weighted outputs in fp32 in ascending expert id."""
+    T, k = idx_Tk.shape
+    flat = idx_Tk.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts.w1.shape[0]).tolist()
+    token_of = order // k
+    weight_of = w_Tk.reshape(-1)[order]
+    y_TL = torch.zeros(T, z_TL.shape[-1], dtype=torch.float32, device=z_TL.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = token_of[start : start + n]
+        out = experts.expert_forward(e, z_TL[rows])
+        y_TL = y_TL.index_add(0, rows, out.float() * weight_of[start : start + n, None])
+        start += n
+    return y_TL.to(z_TL.dtype)
+
+
+Observer = Callable[[nn.Module, torch.Tensor, torch.Tensor], None]
+
+
+class StableLatentMoE(nn.Module):
+    def __init__(self, config: K3TextConfig):
+        super().__init__()
+        D, Lt = config.hidden_size, config.routed_expert_hidden_size
+        self.top_k, self.renormalize = config.num_experts_per_token, config.moe_renormalize
+        self.scaling = config.routed_scaling_factor
+        beta, lin = config.activation_situ_beta, config.activation_situ_linear_beta
+        self.gate = MoEGate(D, config.num_experts)
+        self.routed_expert_down_proj = nn.Linear(D, Lt, bias=False)
+        self.experts = GroupedExperts(config.num_experts, Lt, config.moe_intermediate_size, beta, lin)
+        self.routed_expert_norm = RMSNorm(Lt, config.rms_norm_eps)
+        self.routed_expert_up_proj = nn.Linear(Lt, D, bias=False)
+        self.shared_experts = (
+            DenseMLP(D, config.shared_intermediate_size, beta, lin) if config.num_shared_experts > 0 else None
+        )
+        self.dispatcher: Callable[..., torch.Tensor] = local_dispatch
+        self.observer: Observer | None = None
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        scores_TE = router_scores(x_TD, self.gate.weight)
+        idx_Tk, w_Tk = route_topk(scores_TE, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
+        if self.observer is not None:
+            self.observer(self, scores_TE, idx_Tk)
+        y_TL = self.dispatcher(self.routed_expert_down_proj(x_TD), idx_Tk, w_Tk, self.experts)
+        out = self.routed_expert_up_proj(self.routed_expert_norm(y_TL))
+        return out + self.shared_experts(x_TD) if self.shared_experts is not None else out

@@ -1,0 +1,36 @@
+"""Token sampling from logits: greedy, temperature, top-k and top-p (nucleus), in fp32.
+
+Legend: B rows, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(
+    logits_BV: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Return token ids [B]. temperature 0 is greedy (argmax); top_k 0 and top_p 1.0 disable those filters."""
+    if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"invalid sampling settings temperature={temperature}, top_k={top_k}, top_p={top_p}")
+    logits = logits_BV.float()
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # Drop a token when the tokens strictly more likely than it already reach top_p (the first always stays).
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,45 @@
+"""Tiny process-agnostic helpers shared by every openk3 package: dtype names, seeding, relative error.
+
+Only the standard library and torch may be imported here (see STYLE.md §2).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+def to_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """Accept a torch dtype, a config-style name ("bfloat16", "torch.float32") or None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype.removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed Python and torch; return a CPU generator seeded the same way for explicit use."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative RMS error rms(a - b) / rms(b), computed in fp64 (the metric of STYLE.md §5)."""
+    a64, b64 = a.detach().double(), b.detach().double()
+    denom = b64.pow(2).mean().sqrt().item()
+    num = (a64 - b64).pow(2).mean().sqrt().item()
+    return num / denom if denom > 0 else num

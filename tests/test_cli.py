@@ -1,0 +1,60 @@
+"""The `k3` command line: init writes a loadable random checkpoint with no zero tensor, generate and info run,
+bad input gives a clear error and exit code 2."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from openk3 import K3ForCausalLM
+from openk3.cli import main
+
+from conftest import PLAIN
+
+
+def test_init_writes_nontrivial_checkpoint(tmp_path, capsys):
+    assert main(["init", "--preset", "tiny", "--out", str(tmp_path), "--seed", "3"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    tensors = load_file(tmp_path / "model.safetensors")
+    for key in ("gate.e_score_correction_bias", "self_attn.A_log", "self_attn.dt_bias", "_res_proj.weight"):
+        assert any(key in k for k in tensors), key
+    for name, t in tensors.items():
+        assert not torch.all(t == 0), name
+    # A_log is stored padded with exact zeros past the real heads, like the release.
+    a_log = tensors["language_model.model.layers.0.self_attn.A_log"]
+    assert a_log.shape == (64,) and torch.all(a_log[3:] == 0) and torch.all(a_log[:3] != 0)
+    model = K3ForCausalLM.from_pretrained(tmp_path)
+    assert model.num_parameters()[0] < 10_000_000
+    # Seeds are reproducible.
+    assert main(["init", "--preset", "tiny", "--out", str(tmp_path / "again"), "--seed", "3"]) == 0
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    assert all(torch.equal(again[k], tensors[k]) for k in tensors)
+
+
+def test_generate_and_info(tmp_path, capsys):
+    assert main(["init", "--preset", "tiny", "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--ckpt", str(tmp_path), "--prompt", "def f(x):", "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def f(x):")
+    assert main(["info", "--preset", "k3"]) == 0
+    out = capsys.readouterr().out
+    assert "2,779,484,476,000" in out and "104,189,612,640" in out
+    assert main(["info", "--ckpt", PLAIN]) == 0
+    assert "KKKMKKKMM" in capsys.readouterr().out
+
+
+def test_errors_are_clear(tmp_path, capsys):
+    assert main(["generate", "--ckpt", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["init", "--preset", "k3", "--out", str(tmp_path)]) == 2
+
+
+def test_console_script_entry_point(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "openk3.cli", "info", "--preset", "tiny"], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    assert "parameters" in out.stdout

@@ -1,0 +1,59 @@
+"""The dependency direction of STYLE.md §2, enforced by walking every import of the package with ast."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "openk3"
+
+# package -> openk3 packages it may import (itself always allowed)
+ALLOWED = {
+    "utils": set(),
+    "config": {"utils"},
+    "ops": {"utils"},
+    "model": {"ops", "config", "utils"},
+    "parallel": {"model", "ops", "config", "utils"},
+    "data": {"utils"},
+    "train": {"model", "ops", "parallel", "data", "config", "utils"},
+    "serve": {"model", "ops", "parallel", "data", "config", "utils"},
+    "rl": {"serve", "train", "model", "data", "config", "utils"},
+    "bench": {"ops", "model", "config", "utils", "data", "serve", "train", "parallel"},  # like benchmarks/
+    "cli": None,  # anything
+    "__init__": {"config", "model"},
+}
+NO_DISTRIBUTED = {"utils", "config", "ops", "model", "data"}
+
+
+def _package(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).parts
+    return rel[0].removesuffix(".py")
+
+
+def _imports(path: pathlib.Path):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def test_dependency_direction():
+    violations = []
+    files = sorted(ROOT.rglob("*.py"))
+    assert len(files) > 10
+    for path in files:
+        pkg = _package(path)
+        assert pkg in ALLOWED, f"{path}: package {pkg!r} is not in STYLE.md's table; add it there and here"
+        for mod in _imports(path):
+            parts = mod.split(".")
+            if parts[0] == "openk3" and len(parts) > 1:
+                target = parts[1]
+                if target in ("cli", "bench") and pkg not in ("cli",) and pkg != target:
+                    violations.append(f"{path.relative_to(ROOT)} imports {mod} (nothing may import {target})")
+                elif ALLOWED[pkg] is not None and target != pkg and target not in ALLOWED[pkg]:
+                    violations.append(f"{path.relative_to(ROOT)} imports {mod}")
+            if pkg in NO_DISTRIBUTED and mod.startswith("torch.distributed"):
+                violations.append(f"{path.relative_to(ROOT)} imports {mod} (single-device package)")
+    assert not violations, "\n".join(violations)

@@ -445,9 +445,10 @@ def preset_k3() -> K3Config:
 def preset_tiny() -> K3Config:
     """< 10M parameters, trains on CPU in minutes, every mechanism present: dense layer 0, 8 routed experts top-2 in
     a latent space, a shared MLP, 3 AttnRes blocks, MLA at layers 4, 8 and the last (9), KDA elsewhere.
-    The vocabulary (1024) holds 256 bytes, 256 reserved specials and room for a trained BPE."""
+    The vocabulary mirrors K3's layout: 768 base ranks (a trained BPE, or bytes 0-255 for the byte-level fallback)
+    followed by 256 special ids (bos 768, eos 770, pad 1023)."""
     return _scaled(vocab=1024, hidden=192, layers=9, heads=3, head_dim=64, q_rank=96, kv_rank=64, rope=32,
-                   dense=512, experts=8, top_k=2, expert_hidden=128, latent=96, block=3, special_base=256)  # fmt: skip
+                   dense=512, experts=8, top_k=2, expert_hidden=128, latent=96, block=3, special_base=768)  # fmt: skip
 
 
 def preset_small() -> K3Config:

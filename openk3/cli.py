@@ -4,6 +4,10 @@
     k3 generate --ckpt DIR --prompt TEXT [...]           continuation with the byte-level tokenizer
     k3 info (--ckpt DIR | --preset NAME)                 layer schedule and parameter counts
     k3 demo [--out DIR]                                  the README's main job: init tiny -> save -> reload -> generate
+    k3 train --preset tiny --out DIR [...]               train (README's main job), resumable with --resume
+    k3 plot RUN_DIR                                      PNG plots of a run's metrics
+    k3 export --ckpt DIR --out DIR                       a checkpoint in the release dtypes (bf16 + fp32 extras)
+    k3 tokenizer train --out DIR [--data PATH]           a byte-level BPE for a preset's vocabulary
     k3 bench kda [...]                                   benchmarks (`k3 bench kda --help`)
 """
 
@@ -92,6 +96,109 @@ def cmd_demo(args) -> int:
     return 0
 
 
+# `k3 train` flags: (flag, TrainConfig field, type, help). Defaults live in TrainConfig; a flag left out keeps the
+# default, or on --resume the value the run was started with.
+TRAIN_FLAGS = [
+    ("--preset", "preset", str, "model preset: tiny, small, k3"),
+    ("--data", "data", str, "stdlib (default), mqar, needle, copy, or a path: text file, folder, JSONL with 'text'"),
+    ("--tokenizer", "tokenizer", str, "bpe (trained on the corpus, saved with the checkpoint) or byte"),
+    ("--steps", "steps", int, "total optimizer steps of the run (the schedule's length)"),
+    ("--stop-after", "stop_after", int, "stop cleanly once this many steps are done (schedule unchanged)"),
+    ("--seed", "seed", int, "seed for weights, data order and evaluation"),
+    ("--balance", "balance", str, "router-bias balancing: quantile (K3), sign (DeepSeek-V3) or none"),
+    ("--batch-size", "batch_size", int, "global batch in sequences of the final length"),
+    ("--micro-batch-size", "micro_batch_size", int, "sequences per forward/backward (gradient accumulation)"),
+    ("--seq-len", "seq_len", int, "final sequence length of the curriculum"),
+    ("--curriculum", "curriculum", float, "fraction of steps at seq_len // 4 before the full length (0 disables)"),
+    ("--lr", "lr", float, "peak learning rate"),
+    ("--schedule", "schedule", str, "wsd (warmup-stable-decay) or cosine"),
+    ("--warmup", "warmup", float, "warmup fraction of the steps"),
+    ("--weight-decay", "weight_decay", float, "AdamW weight decay on matrices"),
+    ("--grad-clip", "grad_clip", float, "global gradient-norm clip"),
+    ("--device", "device", str, "auto, cpu, cuda, cuda:1, ..."),
+    ("--precision", "precision", str, "auto (bf16 autocast on CUDA), fp32 or bf16"),
+    ("--eval-every", "eval_every", int, "evaluate every N steps (and at the end)"),
+    ("--eval-batches", "eval_batches", int, "validation batches per evaluation"),
+    ("--save-every", "save_every", int, "checkpoint every N steps (and at the end)"),
+    ("--keep-checkpoints", "keep_checkpoints", int, "complete checkpoints to keep"),
+    ("--max-nonfinite", "max_nonfinite", int, "non-finite steps in a row before stopping"),
+    ("--sample-tokens", "sample_tokens", int, "tokens of the sample printed after training (0: none)"),
+]
+
+
+def _train_config(args):
+    import dataclasses
+    import os
+
+    from openk3.train.config import TrainConfig
+
+    given = {field: getattr(args, field) for _, field, _, _ in TRAIN_FLAGS if getattr(args, field) is not None}
+    given.update(out=args.out, resume=args.resume, activation_checkpointing=args.activation_checkpointing or None,
+                 progress=not args.no_progress)  # fmt: skip
+    given = {k: v for k, v in given.items() if v is not None}
+    saved_file = os.path.join(args.out, "train_config.json")
+    if args.resume and os.path.exists(saved_file):
+        saved = dataclasses.asdict(TrainConfig.from_file(saved_file))
+        for key, value in given.items():
+            if key not in ("steps", "stop_after", "resume", "progress", "out") and saved.get(key) != value:
+                print(f"k3 train: note: --resume changes {key} from {saved.get(key)!r} to {value!r}", file=sys.stderr)
+        saved.update(given)
+        saved["stop_after"] = given.get("stop_after")
+        return TrainConfig(**saved)
+    return TrainConfig(**given)
+
+
+def cmd_train(args) -> int:
+    from openk3.train.trainer import NonFiniteError, Trainer
+
+    cfg = _train_config(args)
+    try:
+        trainer = Trainer(cfg)
+        summary = trainer.run()
+    except NonFiniteError as err:
+        print(f"k3 train: {err}", file=sys.stderr)
+        return 3
+    if summary:
+        keys = ("step", "loss", "val_loss", "unigram_loss", "mqar_acc", "needle_acc", "max_vio", "tokens_per_s", "mfu")
+        print("final: " + ", ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}"
+                                    for k in keys if k in summary))  # fmt: skip
+    if trainer.step >= cfg.steps and cfg.sample_tokens > 0:
+        print("sample:", repr(trainer.data.sample(trainer.model, cfg.sample_tokens)))
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from openk3.train.plot import plot_run
+
+    for path in plot_run(args.run_dir, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    import os
+    import shutil
+
+    model = K3ForCausalLM.from_pretrained(args.ckpt)
+    model.to_dtype(to_dtype(args.dtype))
+    model.save_pretrained(args.out, max_shard_size=args.max_shard_size)
+    for name in ("tokenizer.json", "tokenizer_config.json", "tiktoken.model"):
+        if os.path.exists(os.path.join(args.ckpt, name)):
+            shutil.copy(os.path.join(args.ckpt, name), args.out)
+    print(f"exported {args.ckpt} to {args.out} ({args.dtype} with the release's fp32 tensors)")
+    return 0
+
+
+def cmd_tokenizer_train(args) -> int:
+    from openk3.train.data import train_tokenizer_for
+
+    config = K3Config.preset(args.preset)
+    tok = train_tokenizer_for(config.text_config, args.data, log=print)
+    tok.save(args.out)
+    print(f"wrote {args.out}/tokenizer.json ({tok.vocab_size} ids)")
+    return 0
+
+
 BENCHMARKS = {"kda": "openk3.bench.kda"}
 
 
@@ -138,6 +245,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/demo-tiny")
     _add_sampling(p)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("train", help="train a K3 model (resumable)")
+    for flag, field, typ, text in TRAIN_FLAGS:
+        p.add_argument(flag, dest=field, type=typ, default=None, help=text)
+    p.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl, train_config.json")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out up to --steps")
+    p.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("plot", help="PNG plots of a run (loss, MaxVio, expert load)")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None, help="folder for the PNGs (default: the run folder)")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("export", help="write a checkpoint in the release dtypes")
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--max-shard-size", type=int, default=None)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("tokenizer", help="tokenizer tools")
+    tsub = p.add_subparsers(dest="tokenizer_command", required=True)
+    t = tsub.add_parser("train", help="train a byte-level BPE on a corpus for a preset's vocabulary")
+    t.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    t.add_argument("--data", default="stdlib", help="stdlib (default) or a path")
+    t.add_argument("--out", required=True)
+    t.set_defaults(func=cmd_tokenizer_train)
 
     p = sub.add_parser("bench", help="benchmarks: kda")
     p.add_argument("which", choices=sorted(BENCHMARKS))

@@ -5,6 +5,8 @@ Only the standard library and torch may be imported here (see STYLE.md §2).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import random
 
 import torch
@@ -43,3 +45,22 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     denom = b64.pow(2).mean().sqrt().item()
     num = (a64 - b64).pow(2).mean().sqrt().item()
     return num / denom if denom > 0 else num
+
+
+@contextlib.contextmanager
+def fp32_region():
+    """Turn autocast off (CPU and CUDA) inside ops whose numerics the release fixes in fp32: under autocast a matmul
+    or conv would otherwise run in bf16 even on fp32 inputs (router, AttnRes mix, KDA, short conv, attention)."""
+    with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+        yield
+
+
+def fp32_op(fn):
+    """Decorator form of `fp32_region`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with fp32_region():
+            return fn(*args, **kwargs)
+
+    return wrapper

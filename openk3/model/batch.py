@@ -21,6 +21,9 @@ class ForwardBatch:
     input_ids_T: torch.Tensor
     cu_seqlens: torch.Tensor  # [N+1] int64, cumulative new-token counts
     cache: Any = None  # a model.cache.K3Cache with N sequences, or None
+    # Training packs documents into rows of `row_len` tokens; attention can then run per row with a document mask
+    # instead of per document. None: sequences are not grouped into rows.
+    row_len: int | None = None
     seq_lens: list[int] = field(init=False)
     max_len: int = field(init=False)
     uniform: bool = field(init=False)
@@ -32,10 +35,26 @@ class ForwardBatch:
         self.uniform = all(n == self.max_len for n in self.seq_lens)
 
     @classmethod
-    def from_lengths(cls, input_ids_T: torch.Tensor, seq_lens: list[int], cache: Any = None) -> ForwardBatch:
+    def from_lengths(
+        cls, input_ids_T: torch.Tensor, seq_lens: list[int], cache: Any = None, row_len: int | None = None
+    ) -> ForwardBatch:
         cu = torch.zeros(len(seq_lens) + 1, dtype=torch.long)
         cu[1:] = torch.tensor(seq_lens, dtype=torch.long).cumsum(0)
-        return cls(input_ids_T, cu, cache)
+        return cls(input_ids_T, cu, cache, row_len)
+
+    @classmethod
+    def from_rows(cls, input_ids_RL: torch.Tensor, doc_lens: list[list[int]]) -> ForwardBatch:
+        """Rows of packed documents: `doc_lens[r]` are the document lengths of row r, summing to the row length."""
+        R, L = input_ids_RL.shape
+        for r, lens in enumerate(doc_lens):
+            if sum(lens) != L or min(lens, default=0) <= 0:
+                raise ValueError(f"row {r}: document lengths {lens} must be positive and sum to the row length {L}")
+        return cls.from_lengths(input_ids_RL.reshape(-1), [n for lens in doc_lens for n in lens], row_len=L)
+
+    def segment_ids(self, device: torch.device) -> torch.Tensor:
+        """[R, L] document index of every token of the row view (valid when `row_len` is set)."""
+        seg = torch.repeat_interleave(torch.arange(self.num_seqs, device=device), torch.tensor(self.seq_lens, device=device))
+        return seg.view(-1, self.row_len)
 
     @property
     def num_seqs(self) -> int:

@@ -26,6 +26,7 @@ from openk3.model.layers import ShortConvolution
 from openk3.ops.conv import short_conv
 from openk3.ops.kda import kda_chunked, kda_gate, kda_step
 from openk3.ops.norm import gated_rms_norm, l2_norm
+from openk3.utils import fp32_region
 
 
 class KimiDeltaAttention(nn.Module):
@@ -66,6 +67,19 @@ class KimiDeltaAttention(nn.Module):
         new_tail = full.gather(1, idx[:, :, None].expand(-1, -1, full.shape[-1]))
         return batch.to_packed(y_NLP), new_tail
 
+    @staticmethod
+    def _delta_rule(q_THK, k_THK, v_THV, g_THK, beta_TH, state, batch: ForwardBatch, act_dtype: torch.dtype):
+        if batch.is_decode:
+            return kda_step(q_THK, k_THK, v_THV, g_THK, beta_TH, state)
+        # The released chunk path stores q^, k^ in the activation dtype before the kernel (spec/model.md §5).
+        q_NLHK, k_NLHK = batch.to_padded(q_THK.to(act_dtype)), batch.to_padded(k_THK.to(act_dtype))
+        # Zero padding rows are neutral: g = 0 keeps the state, beta = 0 writes nothing.
+        o_NLHV, final = kda_chunked(
+            q_NLHK, k_NLHK, batch.to_padded(v_THV), batch.to_padded(g_THK), batch.to_padded(beta_TH),
+            initial_state=state, output_final_state=state is not None,
+        )  # fmt: skip
+        return batch.to_packed(o_NLHV), final
+
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: KDAState | None = None) -> torch.Tensor:
         T = x_TD.shape[0]
         H, K = self.num_heads, self.head_dim
@@ -78,19 +92,8 @@ class KimiDeltaAttention(nn.Module):
         q_THK, k_THK = l2_norm(q1.view(T, H, K)), l2_norm(k1.view(T, H, K))
         v_THV = v1.view(T, H, K)
         state = cache.recurrent_NHKV if cache is not None else None
-        if batch.is_decode:
-            o_NHV, final = kda_step(q_THK, k_THK, v_THV, g_THK, beta_TH, state)
-            o_THV = o_NHV
-        else:
-            # The released chunk path stores q^, k^ in the activation dtype before the kernel (spec/model.md §5).
-            q_NLHK = batch.to_padded(q_THK.to(x_TD.dtype))
-            k_NLHK = batch.to_padded(k_THK.to(x_TD.dtype))
-            # Zero padding rows are neutral: g = 0 keeps the state, beta = 0 writes nothing.
-            o_NLHV, final = kda_chunked(
-                q_NLHK, k_NLHK, batch.to_padded(v_THV), batch.to_padded(g_THK), batch.to_padded(beta_TH),
-                initial_state=state, output_final_state=cache is not None,
-            )  # fmt: skip
-            o_THV = batch.to_packed(o_NLHV)
+        with fp32_region():  # the delta rule and its state are fp32 whatever autocast says
+            o_THV, final = self._delta_rule(q_THK, k_THK, v_THV, g_THK, beta_TH, state, batch, x_TD.dtype)
         if cache is not None:
             cache.conv_q_NWP, cache.conv_k_NWP, cache.conv_v_NWP = q_tail, k_tail, v_tail
             cache.recurrent_NHKV = final

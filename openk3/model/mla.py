@@ -68,6 +68,12 @@ class GatedMLA(nn.Module):
             k, v = self.expand(batch.to_padded(latent_TR))
             attn = causal_attention(batch.to_padded(q_THD), k, v, self.scale)
             attn_THV = batch.to_packed(attn)
+        elif cache is None and batch.row_len is not None:
+            # Packed training rows: attend per row, masked to each token's own document.
+            L = batch.row_len
+            k, v = self.expand(latent_TR.view(-1, L, latent_TR.shape[-1]))
+            attn = causal_attention(q_THD.view(-1, L, *q_THD.shape[1:]), k, v, self.scale, batch.segment_ids(x_TD.device))
+            attn_THV = attn.reshape(T, *attn.shape[2:])
         else:
             outs = []
             for i, (start, end) in enumerate(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())):

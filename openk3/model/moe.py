@@ -52,22 +52,23 @@ class GroupedExperts(nn.Module):
 
 
 def local_dispatch(z_TL: torch.Tensor, idx_Tk: torch.Tensor, w_Tk: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
-    """Group tokens by expert, run each expert once, and add the weighted outputs in fp32 in ascending expert id."""
+    """Group tokens by expert, run each expert once on its rows, then add each token's k weighted outputs in fp32,
+    in ascending expert id (the order `route_topk` returns)."""
     T, k = idx_Tk.shape
     flat = idx_Tk.reshape(-1)
-    order = torch.argsort(flat, stable=True)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     counts = torch.bincount(flat, minlength=experts.w1.shape[0]).tolist()
-    token_of = order // k
-    weight_of = w_Tk.reshape(-1)[order]
-    y_TL = torch.zeros(T, z_TL.shape[-1], dtype=torch.float32, device=z_TL.device)
-    start = 0
+    z_sorted = z_TL[order // k]
+    outs, start = [], 0
     for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = token_of[start : start + n]
-        out = experts.expert_forward(e, z_TL[rows])
-        y_TL = y_TL.index_add(0, rows, out.float() * weight_of[start : start + n, None])
-        start += n
+        if n:
+            outs.append(experts.expert_forward(e, z_sorted[start : start + n]))
+            start += n
+    out_sorted = torch.cat(outs) if outs else z_TL.new_zeros(0, z_TL.shape[-1])
+    out_TkL = out_sorted[torch.argsort(order)].view(T, k, -1).float() * w_Tk.unsqueeze(-1)
+    y_TL = out_TkL[:, 0]
+    for j in range(1, k):
+        y_TL = y_TL + out_TkL[:, j]
     return y_TL.to(z_TL.dtype)
 
 

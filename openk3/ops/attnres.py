@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from openk3.utils import fp32_op
 
+
+@fp32_op
 def attn_res_mix(
     bank: list[torch.Tensor], partial_TD: torch.Tensor, norm_weight_D: torch.Tensor, query_D: torch.Tensor, eps: float
 ) -> torch.Tensor:

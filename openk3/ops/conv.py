@@ -14,7 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from openk3.utils import fp32_op
 
+
+@fp32_op
 def short_conv(
     x_NTC: torch.Tensor, weight_C1W: torch.Tensor, tail_NWC: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -243,3 +243,21 @@ def test_bad_inputs(tiny):
     cache = tiny.new_cache(2)
     with pytest.raises(ValueError, match="2 sequences"):
         tiny(torch.zeros(3, 1, dtype=torch.long), None, cache)
+
+
+def test_packed_documents_match_each_document_alone(tiny):
+    """Training rows hold several documents: KDA restarts its state and conv, MLA attends only within a document."""
+    from openk3.model.batch import ForwardBatch
+
+    ids = torch.randint(0, 768, (3, 40), generator=torch.Generator().manual_seed(8))
+    docs = [[10, 25, 5], [40], [1, 16, 17, 6]]
+    with torch.no_grad():
+        packed = tiny.forward_batch(ForwardBatch.from_rows(ids, docs)).view(3, 40, -1)
+        for r, lens in enumerate(docs):
+            start = 0
+            for n in lens:
+                alone = tiny(ids[r : r + 1, start : start + n])[0]
+                assert rel_rms(packed[r, start : start + n], alone) <= 1e-5
+                start += n
+    with pytest.raises(ValueError, match="sum to the row length"):
+        ForwardBatch.from_rows(ids, [[10, 20], [40], [40]])

@@ -142,3 +142,18 @@ def test_sampling():
     with pytest.raises(ValueError):
         sample(logits, temperature=-1.0)
     assert math.isclose(torch.softmax(torch.tensor([3.0, 2.0]), 0)[0].item(), 0.731, abs_tol=1e-3)
+
+
+def test_fp32_ops_ignore_autocast():
+    """Under bf16 autocast a matmul or conv would silently run in bf16; the ops the release fixes in fp32 opt out."""
+    x, W = torch.randn(6, 16), torch.randn(8, 16)
+    bank, P, g, w = [torch.randn(5, 16)], torch.randn(5, 16), torch.randn(16), torch.randn(1, 16)
+    xc, wc = torch.randn(2, 9, 12), torch.randn(12, 1, 4)
+    q, k, v = torch.randn(7, 2, 8), torch.randn(7, 2, 8), torch.randn(7, 2, 4)
+    plain = (router_scores(x, W), attn_res_mix(bank, P, g, w, 1e-5), short_conv(xc, wc)[0],
+             causal_attention(q, k, v, 0.3))  # fmt: skip
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = (router_scores(x, W), attn_res_mix(bank, P, g, w, 1e-5), short_conv(xc, wc)[0],
+                causal_attention(q, k, v, 0.3))  # fmt: skip
+    for a, b in zip(plain, auto):
+        assert b.dtype == torch.float32 and torch.equal(a, b)

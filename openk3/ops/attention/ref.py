@@ -13,23 +13,34 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from openk3.utils import fp32_op
+
 
 def _causal_mask(Tq: int, Tk: int, device: torch.device) -> torch.Tensor:
     q_pos = torch.arange(Tk - Tq, Tk, device=device)
     return torch.arange(Tk, device=device)[None, :] <= q_pos[:, None]  # [Tq, Tk], True = attend
 
 
-def causal_attention(q_TqHD: torch.Tensor, k_TkHD: torch.Tensor, v_TkHV: torch.Tensor, scale: float) -> torch.Tensor:
-    """Leading batch dims are allowed: [..., T, H, D]."""
+@fp32_op
+def causal_attention(
+    q_TqHD: torch.Tensor, k_TkHD: torch.Tensor, v_TkHV: torch.Tensor, scale: float, segment_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Leading batch dims are allowed: [..., T, H, D]. With `segment_ids` [..., T] (Tq == Tk), a query only sees
+    keys of its own segment: packed documents in one row attend within themselves."""
     Tq, Tk = q_TqHD.shape[-3], k_TkHD.shape[-3]
     q, k, v = (t.float().transpose(-3, -2) for t in (q_TqHD, k_TkHD, v_TkHV))  # [..., H, T, D]
-    if Tq == Tk:
+    if segment_ids is not None:
+        same = segment_ids[..., :, None] == segment_ids[..., None, :]  # [..., T, T]
+        mask = (same & _causal_mask(Tq, Tk, q.device)).unsqueeze(-3)  # broadcast over heads
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    elif Tq == Tk:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(Tq, Tk, q.device), scale=scale)
     return o.transpose(-3, -2).to(v_TkHV.dtype)
 
 
+@fp32_op
 def causal_attention_ref(q_TqHD: torch.Tensor, k_TkHD: torch.Tensor, v_TkHV: torch.Tensor, scale: float) -> torch.Tensor:
     Tq, Tk = q_TqHD.shape[0], k_TkHD.shape[0]
     scores_HTqTk = torch.einsum("qhd,khd->hqk", q_TqHD.float(), k_TkHD.float()) * scale

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from openk3.utils import fp32_op
 
+
+@fp32_op
 def router_scores(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
     """s = sigmoid(f32(x) @ f32(W)^T), [T, E] fp32."""
     return torch.sigmoid(x_TD.float() @ weight_ED.float().t())
@@ -27,3 +30,12 @@ def route_topk(
     if renormalize:
         w_Tk = w_Tk / (w_Tk.sum(-1, keepdim=True) + 1e-20)
     return idx_Tk, w_Tk * scaling
+
+
+def route_topk_cutoff(scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training-time top-(k+1) of s + bias (spec/balancing.md §2.1 step 1). Returns (indices [T, k] ascending by
+    expert id, the same experts `route_topk` selects; cutoff [T], the (k+1)-th largest biased score alpha_i, i.e. what
+    an expert's biased score must beat to enter token i's top-k). Computes in the promoted dtype of scores and
+    bias: fp32 in the model (also for scores that autocast left in bf16, like `route_topk`), fp64 in offline studies."""
+    vals_Tk1, idx_Tk1 = torch.topk(scores_TE + bias_E, k + 1, dim=-1, sorted=True)  # k1 = k+1
+    return idx_Tk1[:, :k].sort(dim=-1).values, vals_Tk1[:, k]

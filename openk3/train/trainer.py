@@ -1,0 +1,232 @@
+"""The training loop: `Trainer(cfg).run()` trains a K3 model from a preset on a corpus or a synthetic task.
+
+Per optimizer step (no argument parsing here; `k3 train` maps flags onto `TrainConfig`):
+    1. the curriculum picks the sequence length; the step's token budget is cut into `accum_steps` micro-batches
+    2. each micro-batch: forward under the balancer's `collecting()` (router statistics), summed cross-entropy
+       divided by the step's labelled-token count, backward (so any micro-batch split gives the same gradient)
+    3. gradient clipping; a non-finite loss or gradient norm skips the step (counted, logged; training stops with
+       the last good checkpoint after `max_nonfinite` in a row)
+    4. `Balancer.step()` updates the router biases (quantile balancing by default), then `optimizer.step()`
+    5. one JSON line in metrics.jsonl; periodic evaluation and atomic checkpoints
+
+Everything a resumed run needs (weights, AdamW moments, data position, balancing state, RNG, counters) is in the
+checkpoint, so `--steps 2N` in one go equals `--stop-after N` followed by `--resume`, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import nullcontext
+
+import torch
+
+from openk3.config import K3Config
+from openk3.model.batch import ForwardBatch
+from openk3.model.model import K3ForCausalLM
+from openk3.parallel.ac import apply_activation_checkpointing
+from openk3.train.balance import Balancer
+from openk3.train.checkpoint import latest_checkpoint, load_trainer_files, save_checkpoint
+from openk3.train.config import TrainConfig
+from openk3.train.data import RunData
+from openk3.train.evaluate import evaluate
+from openk3.train.loss import lm_loss_sum
+from openk3.train.metrics import random_routing_maxvio_floor
+from openk3.train.optim import build_optimizer, lr_at
+from openk3.train.throughput import matmul_gflops
+
+
+class NonFiniteError(RuntimeError):
+    """Raised when `max_nonfinite` steps in a row had a non-finite loss or gradient."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, log=print):
+        self.cfg, self.log = cfg, log
+        self.device = resolve_device(cfg.device)
+        self.run_dir = cfg.out
+        ckpt = latest_checkpoint(self.run_dir) if cfg.resume else None
+        if cfg.resume and ckpt is None:
+            raise ValueError(f"--resume: no checkpoint in {self.run_dir}/checkpoints to resume from")
+        if not cfg.resume and os.path.exists(os.path.join(self.run_dir, "checkpoints")):
+            raise ValueError(f"{self.run_dir} already holds a run; pass --resume to continue it or choose another --out")
+        torch.manual_seed(cfg.seed)
+        model_config = K3Config.from_pretrained(ckpt) if ckpt else K3Config.preset(cfg.preset)
+        self.data = RunData(cfg, model_config.text_config, tokenizer_dir=ckpt, log=log)
+        if ckpt is not None:
+            self.model = K3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+        else:
+            with torch.device("meta"):
+                self.model = K3ForCausalLM(model_config)
+            self.model.to_empty(device="cpu")
+            self.model.init_weights(torch.Generator().manual_seed(cfg.seed))
+        self.model.to(self.device).train()
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(self.model)
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.balancer = Balancer(self.model, cfg.balance)
+        self.step, self.nonfinite_total, self.nonfinite_run, self.tokens_seen = 0, 0, 0, 0
+        if ckpt is not None:
+            state = load_trainer_files(ckpt, self.optimizer)
+            self.step = state["step"]
+            self.nonfinite_total, self.tokens_seen = state["nonfinite_total"], state["tokens_seen"]
+            self.data.load_state_dict(state["data"])
+            self.balancer.load_state_dict(state["balancer"])
+            self._truncate_metrics(self.step)
+            log(f"resumed {self.run_dir} at step {self.step} from {ckpt}")
+        cfg.save(self.run_dir)
+        text = self.model.text_config
+        self.max_vio_floor = random_routing_maxvio_floor(cfg.tokens_per_step, text.num_experts, text.num_experts_per_token,
+                                                         trials=32, seed=cfg.seed)  # fmt: skip
+        self.peak_gflops = matmul_gflops(self.device)
+        self.active_params = self.model.num_parameters()[1]
+
+    # ---- one optimizer step ----------------------------------------------------------------------------------
+    def _autocast(self):
+        cfg = self.cfg
+        use_bf16 = cfg.precision == "bf16" or (
+            cfg.precision == "auto" and self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        )
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+
+    def train_step(self) -> dict:
+        cfg, step = self.cfg, self.step
+        seq_len = cfg.seq_len_at(step)
+        rows = cfg.tokens_per_step // seq_len
+        micro_rows = rows // cfg.accum_steps
+        lr = lr_at(step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        start = time.perf_counter()
+        batches = [self.data.next_train_batch(micro_rows, seq_len) for _ in range(cfg.accum_steps)]
+        n_labels = sum(b.num_loss_tokens() for b in batches)
+        total = 0.0
+        for b in batches:
+            fb = ForwardBatch.from_rows(b.input_ids.to(self.device), b.doc_lens)
+            with self.balancer.collecting(), self._autocast():
+                logits = self.model.forward_batch(fb)
+                loss = lm_loss_sum(logits, b.labels.to(self.device).view(-1)) / max(n_labels, 1)
+            loss.backward()
+            total += loss.item()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+        finite = torch.isfinite(torch.tensor([total, grad_norm])).all().item()
+        row = {"step": step + 1, "loss": total, "lr": lr, "seq_len": seq_len, "grad_norm": grad_norm}
+        if finite:
+            bal = self.balancer.step()
+            self.optimizer.step()
+            self.nonfinite_run = 0
+            row.update(max_vio=bal["max_vio"], max_vio_per_layer=bal["max_vio_per_layer"])
+            self._last_loads = bal["loads"]
+        else:
+            self.balancer.discard()
+            self.nonfinite_total += 1
+            self.nonfinite_run += 1
+            row.update(skipped=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - start
+        tokens = rows * seq_len
+        self.tokens_seen += tokens
+        tps = tokens / elapsed
+        row.update(tokens_per_s=tps, tokens=self.tokens_seen, nonfinite_steps=self.nonfinite_total,
+                   mfu=6 * self.active_params * tps / (self.peak_gflops * 1e9))  # fmt: skip
+        self.step += 1
+        return row
+
+    # ---- the run -----------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg = self.cfg
+        stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
+        bar = _progress(total=cfg.steps, initial=self.step, enabled=cfg.progress)
+        last_row: dict = {}
+        try:
+            while self.step < stop:
+                row = self.train_step()
+                if row.get("skipped"):
+                    self.log(f"step {row['step']}: non-finite loss or gradient (loss {row['loss']}, grad norm "
+                             f"{row['grad_norm']}); skipped ({self.nonfinite_run} in a row, {self.nonfinite_total} in all)")  # fmt: skip
+                elif self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                    row.update(self.evaluate())
+                self._append_metrics(row)
+                last_row = row
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:.0f}",
+                                max_vio=f"{row.get('max_vio', float('nan')):.3f}")  # fmt: skip
+                if self.nonfinite_run >= cfg.max_nonfinite:
+                    path = self.save()  # the weights are those of the last good step: skipped steps change nothing
+                    raise NonFiniteError(
+                        f"{self.nonfinite_run} non-finite steps in a row (limit --max-nonfinite {cfg.max_nonfinite}); "
+                        f"stopped at step {self.step} with the last good weights saved in {path}"
+                    )
+                if self.step % cfg.save_every == 0 or self.step == stop:
+                    self.save()
+        finally:
+            bar.close()
+        return last_row
+
+    def evaluate(self) -> dict:
+        self.model.eval()
+        try:
+            out = evaluate(self.model, self.data, self.cfg, self.device)
+        finally:
+            self.model.train()
+        out["max_vio_floor"] = self.max_vio_floor
+        if getattr(self, "_last_loads", None) is not None:
+            out["expert_load"] = self._last_loads
+        return out
+
+    def save(self) -> str:
+        state = {
+            "data": self.data.state_dict(),
+            "balancer": _json_balancer(self.balancer.state_dict()),
+            "nonfinite_total": self.nonfinite_total,
+            "tokens_seen": self.tokens_seen,
+        }
+        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state, self.data.tokenizer,
+                               keep=self.cfg.keep_checkpoints)  # fmt: skip
+
+    # ---- metrics.jsonl -------------------------------------------------------------------------------------------
+    @property
+    def _metrics_path(self) -> str:
+        return os.path.join(self.run_dir, "metrics.jsonl")
+
+    def _append_metrics(self, row: dict) -> None:
+        with open(self._metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop lines past the resumed step (written after the checkpoint by the interrupted run)."""
+        if not os.path.exists(self._metrics_path):
+            return
+        with open(self._metrics_path, encoding="utf-8") as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        tmp = self._metrics_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(rows)
+        os.replace(tmp, self._metrics_path)
+
+
+def _json_balancer(state: dict) -> dict:
+    return {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in state.items()}
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is a dependency; keep the loop usable without it
+        enabled = False
+    if not enabled:
+
+        class _Silent:
+            def update(self, n): ...
+            def set_postfix(self, **kw): ...
+            def close(self): ...
+
+        return _Silent()
+    return tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True)

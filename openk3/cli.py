@@ -1,7 +1,7 @@
 """The `k3` command line: maps plain flags onto the library.
 
     k3 init --preset tiny --out DIR [--seed N]           random checkpoint with non-trivial values in every tensor
-    k3 generate --ckpt DIR --prompt TEXT [...]           continuation with the byte-level tokenizer
+    k3 generate --ckpt DIR --prompt TEXT [...]           continuation (the checkpoint's tokenizer, else bytes)
     k3 info (--ckpt DIR | --preset NAME)                 layer schedule and parameter counts
     k3 demo [--out DIR]                                  the README's main job: init tiny -> save -> reload -> generate
     k3 train --preset tiny --out DIR [...]               train (README's main job), resumable with --resume
@@ -21,7 +21,7 @@ import time
 import torch
 
 from openk3.config import PRESETS, K3Config
-from openk3.data.tokenizer import ByteTokenizer
+from openk3.data.tokenizer import ByteTokenizer, load_tokenizer
 from openk3.model.model import K3ForCausalLM
 from openk3.utils import to_dtype
 
@@ -50,10 +50,10 @@ def cmd_init(args) -> int:
     return 0
 
 
-def _generate(model: K3ForCausalLM, prompt: str, args) -> str:
+def _generate(model: K3ForCausalLM, prompt: str, args, ckpt: str | None = None) -> str:
     text = model.text_config
-    tok = ByteTokenizer(text.vocab_size, text.bos_token_id, text.eos_token_id)
-    ids = torch.tensor([tok.encode(prompt)], dtype=torch.long)
+    tok = load_tokenizer(ckpt, text)  # the checkpoint's tokenizer, else the byte-level fallback
+    ids = torch.tensor([tok.encode(prompt, add_bos=not isinstance(tok, ByteTokenizer))], dtype=torch.long)
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty")
     start = time.perf_counter()
@@ -67,7 +67,7 @@ def _generate(model: K3ForCausalLM, prompt: str, args) -> str:
 
 def cmd_generate(args) -> int:
     model = K3ForCausalLM.from_pretrained(args.ckpt, dtype=to_dtype(args.dtype)).eval()
-    print(args.prompt + _generate(model, args.prompt, args))
+    print(args.prompt + _generate(model, args.prompt, args, args.ckpt))
     return 0
 
 
@@ -100,12 +100,13 @@ def cmd_demo(args) -> int:
 # default, or on --resume the value the run was started with.
 TRAIN_FLAGS = [
     ("--preset", "preset", str, "model preset: tiny, small, k3"),
-    ("--data", "data", str, "stdlib (default), mqar, needle, copy, or a path: text file, folder, JSONL with 'text'"),
+    ("--data", "data", str, "stdlib (default), mqar, needle, copy, recall, or a path: text file, folder, JSONL with 'text'"),
     ("--tokenizer", "tokenizer", str, "bpe (trained on the corpus, saved with the checkpoint) or byte"),
     ("--steps", "steps", int, "total optimizer steps of the run (the schedule's length)"),
     ("--stop-after", "stop_after", int, "stop cleanly once this many steps are done (schedule unchanged)"),
     ("--seed", "seed", int, "seed for weights, data order and evaluation"),
     ("--balance", "balance", str, "router-bias balancing: quantile (K3), sign (DeepSeek-V3) or none"),
+    ("--balance-bins", "balance_bins", int, "quantile-balancing histogram bins (K3: 1000)"),
     ("--batch-size", "batch_size", int, "global batch in sequences of the final length"),
     ("--micro-batch-size", "micro_batch_size", int, "sequences per forward/backward (gradient accumulation)"),
     ("--seq-len", "seq_len", int, "final sequence length of the curriculum"),
@@ -229,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", type=int, default=None, help="bytes per safetensors shard")
     p.set_defaults(func=cmd_init)
 
-    p = sub.add_parser("generate", help="continue a prompt (byte-level tokenizer)")
+    p = sub.add_parser("generate", help="continue a prompt (the checkpoint's tokenizer, else byte-level)")
     p.add_argument("--ckpt", required=True)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: as stored")
     _add_sampling(p)

@@ -452,7 +452,7 @@ def preset_tiny() -> K3Config:
 
 
 def preset_small() -> K3Config:
-    """About 235M parameters total (~110M active): K3's shape at 768 wide, 13 layers, 32 experts top-4."""
+    """228.6M parameters total (104.3M active): K3's shape at 768 wide, 13 layers, 32 experts top-4."""
     return _scaled(vocab=32768, hidden=768, layers=13, heads=6, head_dim=128, q_rank=384, kv_rank=256, rope=64,
                    dense=2048, experts=32, top_k=4, expert_hidden=256, latent=384, block=4, special_base=32512)  # fmt: skip
 

@@ -24,7 +24,8 @@ from openk3.model.batch import ForwardBatch
 from openk3.model.cache import KDAState
 from openk3.model.layers import ShortConvolution
 from openk3.ops.conv import short_conv
-from openk3.ops.kda import kda_chunked, kda_gate, kda_step
+from openk3.ops.dispatch import kda_chunked, kda_step  # CPU fast path, or fla-core kernels on CUDA
+from openk3.ops.kda import kda_gate
 from openk3.ops.norm import gated_rms_norm, l2_norm
 from openk3.utils import fp32_region
 

@@ -19,14 +19,15 @@ PRECISIONS = ("auto", "fp32", "bf16")
 @dataclass
 class TrainConfig:
     preset: str = "tiny"
-    data: str = "stdlib"  # "stdlib", "mqar", "needle", "copy", or a path (text file, folder, JSONL with "text")
+    data: str = "stdlib"  # "stdlib", "mqar", "needle", "copy", "recall", or a path (text file, folder, JSONL with "text")
     tokenizer: str = "bpe"  # "bpe" (trained on the corpus, carried by the checkpoint) or "byte"
-    steps: int = 300  # total optimizer steps of the run (the schedule's length)
+    steps: int = 200  # total optimizer steps of the run (the schedule's length)
     stop_after: int | None = None  # stop cleanly once the run has completed this many steps (schedule unchanged)
     resume: bool = False
     seed: int = 0
     out: str = "runs/tiny"
     balance: str = "quantile"
+    balance_bins: int = 1000  # quantile-balancing histogram bins (K3: 1000; more resolve near-tied scores better)
     batch_size: int = 16  # global batch, in sequences of the final length
     micro_batch_size: int | None = None  # sequences per forward/backward; None = the whole batch
     seq_len: int = 256  # final sequence length of the curriculum
@@ -43,7 +44,7 @@ class TrainConfig:
     device: str = "auto"
     precision: str = "auto"  # bf16 autocast on CUDA (when supported), fp32 on CPU, unless forced
     activation_checkpointing: bool = False
-    eval_every: int = 100
+    eval_every: int = 50
     eval_batches: int = 4
     save_every: int = 100
     keep_checkpoints: int = 2

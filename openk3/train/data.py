@@ -4,7 +4,7 @@ synthetic task), the resumable position in them, the evaluation batches and the 
 - `--data stdlib` (default) or a path: documents -> deterministic train/validation split -> tokenizer (a byte-level
   BPE trained on the training split, or loaded from the checkpoint being resumed) -> cached token streams ->
   `TokenLoader` rows with document boundaries (KDA state resets, MLA masks across documents).
-- `--data mqar | needle | copy`: synthetic long-context recall tasks generated per step from (seed, step), so the
+- `--data mqar | needle | copy | recall` (mqar and needle alternating): synthetic long-context recall tasks generated per step from (seed, step), so the
   data position is just the step counter.
 """
 
@@ -20,7 +20,7 @@ from openk3.data.packing import PackedBatch
 from openk3.data.synthetic import copying, mqar, needle
 from openk3.data.tokenizer import ByteTokenizer, load_tokenizer, train_bpe
 
-SYNTHETIC = ("mqar", "needle", "copy")
+SYNTHETIC = ("mqar", "needle", "copy", "recall")
 VAL_FRACTION = 0.05  # of documents; the default corpus then holds ~16 validation documents (~130 KB)
 BPE_TRAIN_BYTES = 2_000_000  # enough text for a 1K-32K vocabulary; more only slows the tokenizer training
 
@@ -47,16 +47,22 @@ def train_tokenizer_for(text_config, data: str = "stdlib", log=print):
     return train_bpe(texts, text_config.vocab_size, special)
 
 
+# Recall tasks draw keys and values from the first RECALL_VOCAB ids (Zoology's small-vocabulary MQAR setting): the
+# skill measured is lookup, not learning hundreds of embeddings from the few answer tokens of each sequence.
+RECALL_VOCAB = 64
+
+
 def mqar_batch(rows: int, seq_len: int, text, seed: int) -> PackedBatch:
     pairs = max(2, seq_len // 16)
-    return mqar(rows, seq_len, pairs, pairs, (0, text.bos_token_id), text.bos_token_id, text.bos_token_id + 4,
-                seed=seed)  # fmt: skip
+    vocab = (0, min(RECALL_VOCAB, text.bos_token_id))
+    return mqar(rows, seq_len, pairs, pairs, vocab, text.bos_token_id, text.bos_token_id + 4, seed=seed)
 
 
 def needle_batch(rows: int, seq_len: int, text, seed: int, depth: float | None = None) -> PackedBatch:
     if depth is None:  # training: a random depth per batch
         depth = float(torch.rand((), generator=torch.Generator().manual_seed(seed + 7)))
-    return needle(rows, seq_len, depth, (0, text.bos_token_id), text.bos_token_id, text.bos_token_id + 3, seed=seed)
+    vocab = (0, min(RECALL_VOCAB, text.bos_token_id))
+    return needle(rows, seq_len, depth, vocab, text.bos_token_id, text.bos_token_id + 3, seed=seed)
 
 
 def copy_batch(rows: int, seq_len: int, text, seed: int) -> PackedBatch:
@@ -64,7 +70,12 @@ def copy_batch(rows: int, seq_len: int, text, seed: int) -> PackedBatch:
                    text.pad_token_id, seed=seed)  # fmt: skip
 
 
-TASKS = {"mqar": mqar_batch, "needle": needle_batch, "copy": copy_batch}
+def recall_batch(rows: int, seq_len: int, text, seed: int) -> PackedBatch:
+    """MQAR and needle retrieval on alternate batches: the two recall skills the evaluation measures."""
+    return (mqar_batch if seed % 2 else needle_batch)(rows, seq_len, text, seed)
+
+
+TASKS = {"mqar": mqar_batch, "needle": needle_batch, "copy": copy_batch, "recall": recall_batch}
 
 
 class RunData:

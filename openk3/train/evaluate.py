@@ -41,7 +41,7 @@ def evaluate(model, data, cfg, device) -> dict:
         out["mqar_acc"] = answer_accuracy(_logits(model, mq, device).cpu(), mq)
     accs = []
     for i, depth in enumerate((0.1, 0.5, 0.9)):
-        nb = needle_batch(EVAL_ROWS // 2, 4 * L, text, seed=777 + i, depth=depth)
+        nb = needle_batch(EVAL_ROWS // 4, 4 * L, text, seed=777 + i, depth=depth)
         accs.append(answer_accuracy(_logits(model, nb, device).cpu(), nb))
     out["needle_acc"] = sum(accs) / len(accs)
     return out

@@ -71,7 +71,7 @@ class Trainer:
         if cfg.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         self.optimizer = build_optimizer(self.model, cfg)
-        self.balancer = Balancer(self.model, cfg.balance)
+        self.balancer = Balancer(self.model, cfg.balance, num_bins=cfg.balance_bins)
         self.step, self.nonfinite_total, self.nonfinite_run, self.tokens_seen = 0, 0, 0, 0
         if ckpt is not None:
             state = load_trainer_files(ckpt, self.optimizer)
@@ -83,8 +83,9 @@ class Trainer:
             log(f"resumed {self.run_dir} at step {self.step} from {ckpt}")
         cfg.save(self.run_dir)
         text = self.model.text_config
+        # The reported max_vio is a max over MoE layers, so its floor is too.
         self.max_vio_floor = random_routing_maxvio_floor(cfg.tokens_per_step, text.num_experts, text.num_experts_per_token,
-                                                         trials=32, seed=cfg.seed)  # fmt: skip
+                                                         trials=16, seed=cfg.seed, num_layers=len(self.balancer.layers))  # fmt: skip
         self.peak_gflops = matmul_gflops(self.device)
         self.active_params = self.model.num_parameters()[1]
 
@@ -144,6 +145,7 @@ class Trainer:
         cfg = self.cfg
         stop = min(cfg.steps, cfg.stop_after) if cfg.stop_after is not None else cfg.steps
         bar = _progress(total=cfg.steps, initial=self.step, enabled=cfg.progress)
+        started = time.perf_counter()
         last_row: dict = {}
         try:
             while self.step < stop:
@@ -153,6 +155,7 @@ class Trainer:
                              f"{row['grad_norm']}); skipped ({self.nonfinite_run} in a row, {self.nonfinite_total} in all)")  # fmt: skip
                 elif self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     row.update(self.evaluate())
+                row["elapsed_s"] = time.perf_counter() - started  # wall time of this invocation, evaluations included
                 self._append_metrics(row)
                 last_row = row
                 bar.update(1)

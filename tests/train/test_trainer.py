@@ -214,3 +214,21 @@ def test_kill_during_save_never_damages_the_last_checkpoint(tmp_path):
         model = K3ForCausalLM.from_pretrained(path)
         assert all(torch.isfinite(p).all() for p in model.parameters())
         assert load_file(os.path.join(path, "optimizer.safetensors"))
+
+
+def test_bpe_tokenizer_travels_with_the_checkpoint(corpus, tmp_path, capsys):
+    cfg = _cfg(corpus, tmp_path, tokenizer="bpe", steps=2, stop_after=1)
+    first = Trainer(cfg, log=lambda *a: None)
+    first.run()
+    ckpt = latest_checkpoint(str(tmp_path))
+    assert os.path.exists(os.path.join(ckpt, "tokenizer.json"))
+    resumed = Trainer(_cfg(corpus, tmp_path, tokenizer="bpe", steps=2, resume=True), log=lambda *a: None)
+    text = "def forward(self, x):\n    return x"
+    assert resumed.data.tokenizer.encode(text) == first.data.tokenizer.encode(text)
+    resumed.run()
+    assert main(["tokenizer", "train", "--preset", "tiny", "--data", corpus, "--out", str(tmp_path / "tok")]) == 0
+    from openk3.data.tokenizer import load_tokenizer
+    from openk3.config import K3Config
+
+    tok = load_tokenizer(str(tmp_path / "tok"), K3Config.preset("tiny").text_config)
+    assert tok.vocab_size == 1024 and tok.decode(tok.encode(text)) == text

@@ -1,33 +1,49 @@
-"""KDA chunked reference: 16-token tiles with dense in-tile matmuls (spec/kda.md §4.3, §5, §6).
+"""KDA chunked fast path (CPU): WY/UT form, tiles by batched matmuls, hand-written backward (spec/kda.md §4–§6).
 
-Owns `kda_chunked`, the readable chunked op that fast kernels are tested against, and `unit_lower_inverse`,
-the UT transform it uses. It must match `ref.kda_recurrent` (the specification) to fp32 rounding.
+Owns `kda_chunked`, the op the model calls for prefill and training. It computes the same tile equations as the
+readable `tile_ref.kda_chunked_tiles` (and matches `ref.kda_recurrent` to fp32 rounding), organised for speed:
 
-Math, per tile of C rows with entering state S₀, anchored at S₀ (cumsum restarts at the tile):
-    Γ    = cumsum(g over the tile)                   Γ ≤ 0 and −Γ ≤ C·|lower_bound|
-    Qd   = scale · Q ⊙ e^Γ    Kd = K ⊙ e^Γ    Ki = K ⊙ e^−Γ    Kr = K ⊙ e^(Γ_C − Γ)
-    L    = StrictLower(Diag(β) Kd Kiᵀ)           Tinv = (I + L)⁻¹
-    U    = Tinv Diag(β) (V − Kd S₀)
-    O    = Qd S₀ + LowerInclDiag(Qd Kiᵀ) U
-    S₀  ← Diag(e^Γ_C) S₀ + Krᵀ U
-Ki reaches e^(C·|lower_bound|), so the op rejects C·|lower_bound| ≥ 88.72 (fp32 exp overflow, spec §5).
+    per tile of C rows (C = chunk_size = 16), anchored at the entering state h (cumsum restarts at the tile):
+    Γ = cumsum(g)   Qd = s·q⊙e^Γ   Kd = k⊙e^Γ   Ki = k⊙e^−Γ   Kr = k⊙e^(Γ_C−Γ)   D = e^(Γ_C)
+    A = StrictLower(Kd Kiᵀ)   Aqk = LowerInclDiag(Qd Kiᵀ)   [W | Ũ] = (I + Diag(β) A)⁻¹ [β⊙Kd | β⊙v]
+    U = Ũ − W h        O = Qd h + Aqk U        h ← Diag(D) h + Krᵀ U
 
-Why the layout is as it is (spec §6): the anchor depends only on data before the tile, a ragged last tile is
-padded with neutral rows (q = k = v = 0, g = 0, β = 0), and every tile is a separate contiguous block of the
-same shape. So outputs before a position never depend on later inputs, even in their rounding, and a
-truncated or split run is bitwise a prefix of the full run (split at multiples of C).
+- Everything that does not depend on the state (the lines before U) runs batched over a block of tiles; the only
+  sequential work is the three state products per tile. The lower bound g ≥ −5 keeps Ki ≤ e^80 (finite in fp32), so
+  the diagonal tile is one dense matmul (§5).
+- The state pass runs per 16-token tile rather than per 64-token chunk: on CPU this does fewer FLOPs (no 64×64
+  intra-chunk blocks), keeps the state products cache-sized, and keeps spec §6 bitwise at every multiple of 16
+  (future perturbation, causal gradients, append, split at multiples of chunk_size, packed isolation; pinned
+  threads). A split at any other position matches only to rounding (the tile grid moves).
+- Backward (`_KDAChunkFn`): the forward saves only its inputs and the fp32 state entering every 4th tile
+  (64 tokens); backward recomputes each 64-token chunk's states and the per-tile quantities, then runs the reverse
+  state-gradient pass. Memory beyond the inputs is the checkpointed states plus one block of work buffers.
+- Compute dtype is fp32 for bf16/fp32 inputs (fp64 for fp64): the spec keeps anchor factors, state and
+  accumulation in fp32 (§7). o is returned in v's dtype, the final state in the compute dtype.
+- Packed sequences (cu_seqlens) are laid out as one stream of tiles, each sequence padded to a tile multiple with
+  neutral rows (q = k = v = g = β = 0), which leave the state bitwise unchanged; the state resets at each sequence's
+  first tile. No sequence is padded to the longest one.
 
-Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences (cu_seqlens), C tile rows,
-n number of tiles.
+Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences, S state segments (B rows run in lockstep
+as one segment, or N packed sequences), n tiles, nb tiles in a block, R = B·H state rows, C tile rows.
 """
 
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
-from openk3.ops.kda.ref import run_sequences
+from openk3.ops.kda.ref import _check_inputs, compute_dtype
+from openk3.ops.kda.tile_ref import check_tile, unit_lower_inverse
 
-# ln(fp32 max) ≈ 88.72: e^x overflows to inf above it (spec §5).
-_FP32_EXP_LIMIT = 88.72
+__all__ = ["kda_chunked", "unit_lower_inverse"]
+
+# Tiles per batched block in forward: 256 tokens amortise the per-op overhead of the block precompute.
+_BLOCK_TILES = 16
+# Backward checkpoint interval: the entering state of every 4th tile (64 tokens) is saved. Backward works one
+# checkpoint chunk at a time: its per-tile states (16 heads of 128² fp32 each) then stay cache-sized.
+_CHECKPOINT_TILES = 4
+_BACKWARD_BLOCK_TILES = _CHECKPOINT_TILES
 
 
 def kda_chunked(
@@ -43,79 +59,340 @@ def kda_chunked(
     chunk_size: int = 16,
     lower_bound: float = -5.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Tile-chunked KDA, same contract as `kda_recurrent`.
+    """Fast chunked KDA, same contract as `kda_recurrent` and `kda_chunked_tiles`.
 
-    `lower_bound` is the gate's bound (g ≥ lower_bound is the caller's promise, as produced by `kda_gate`);
-    it is used only to check that the tile's anchor factors e^(chunk_size·|lower_bound|) fit in fp32.
+    q, k [B, T, H, K] (L2-normalised), v [B, T, H, V], g [B, T, H, K] log-decay ≥ lower_bound, beta [B, T, H],
+    initial_state [B or N, H, K, V] fp32 or None. Returns (o [B, T, H, V] in v's dtype, final state or None).
+    `lower_bound` is the caller's promise about g, used only to check that e^(chunk_size·|lower_bound|) fits fp32.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got chunk_size={chunk_size}")
-    if chunk_size * abs(lower_bound) >= _FP32_EXP_LIMIT:
-        raise ValueError(
-            f"chunk_size={chunk_size} with lower_bound={lower_bound}: the in-tile anchor factor "
-            f"exp(chunk_size * |lower_bound|) = exp({chunk_size * abs(lower_bound):g}) overflows fp32; "
-            f"need chunk_size * |lower_bound| < {_FP32_EXP_LIMIT}"
-        )
+    check_tile(chunk_size, lower_bound)
+    bounds = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    tiling = Tiling.build(q.shape, v.shape[-1], chunk_size, bounds, compute_dtype(q, k, v, g, beta, initial_state))
+    inputs = (q, k, v, g, beta, initial_state)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+        o, final = _KDAChunkFn.apply(*inputs, scale, tiling)
+    else:
+        o, final, _ = chunked_forward(*inputs, scale, tiling, save_states=False)
+    return o, (final if output_final_state else None)
 
-    def sequence_fn(q, k, v, g, beta, S_BHKV, scale):
-        return _chunked_sequence(q, k, v, g, beta, S_BHKV, scale, chunk_size)
 
-    return run_sequences(sequence_fn, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+@dataclass
+class Tiling:
+    """Where each token sits in the tile stream [n, R, C, ·], and which tiles start and end each state segment."""
+
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    C: int
+    n: int
+    dtype: torch.dtype
+    token_pos: torch.Tensor | None  # packed: [T] position of each token in the flat tile stream
+    gather: torch.Tensor | None  # packed: [n·C] token index per stream row (any valid index on padding rows)
+    pad: torch.Tensor | None  # packed: [n·C] True on padding rows
+    starts: dict[int, int]  # first tile -> segment
+    ends: dict[int, int]  # last tile -> segment
+    num_segments: int
+
+    @staticmethod
+    def build(shape, V, C, bounds, dtype) -> "Tiling":
+        B, T, H, K = shape
+        if bounds is None:
+            n = -(-T // C)
+            starts, ends = ({0: 0}, {n - 1: 0}) if n else ({}, {})
+            return Tiling(B, T, H, K, V, C, n, dtype, None, None, None, starts, ends, 1)
+        gather, token_pos, starts, ends = [], [], {}, {}
+        for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            tiles = -(-(b - a) // C)
+            if tiles:
+                starts[len(gather) // C] = s
+                ends[len(gather) // C + tiles - 1] = s
+            token_pos.extend(range(len(gather), len(gather) + b - a))
+            gather.extend(list(range(a, b)) + [-1] * (tiles * C - (b - a)))
+        gather_t = torch.tensor(gather, dtype=torch.long)
+        return Tiling(
+            B, T, H, K, V, C, len(gather) // C, dtype, torch.tensor(token_pos, dtype=torch.long),
+            gather_t.clamp(min=0), gather_t < 0, starts, ends, len(bounds) - 1,
+        )  # fmt: skip
+
+    @property
+    def R(self) -> int:
+        return self.B * self.H
+
+    def load_block(self, x_BTHD: torch.Tensor, b0: int, out_nRCD: torch.Tensor) -> torch.Tensor:
+        """Tiles b0 .. b0 + nb of x [B, T, H, D] copied into out [nb, R, C, D] (compute dtype); padding rows are
+        zeros (neutral). Working block by block avoids materialising a tiled copy of the whole input: fresh large
+        buffers page-fault on every call, which cost more than the copy itself."""
+        B, T, H, D = x_BTHD.shape
+        nb, C = out_nRCD.shape[0], self.C
+        if self.gather is None:
+            out = out_nRCD.view(nb, B, H, C, D)
+            t0 = b0 * C
+            full = max(0, min(nb, (T - t0) // C))
+            out[:full] = x_BTHD[:, t0 : t0 + full * C].view(B, full, C, H, D).permute(1, 0, 3, 2, 4)
+            if full < nb:
+                out[full:] = 0.0
+                rem = T - t0 - full * C
+                out[full, :, :, :rem] = x_BTHD[:, t0 + full * C : T].permute(0, 2, 1, 3)
+            return out_nRCD
+        rows = slice(b0 * C, b0 * C + nb * C)
+        x_NHD = x_BTHD[0].index_select(0, self.gather[rows].to(x_BTHD.device))
+        # Padding rows read a real token (clamped index) and are then replaced by zeros: selection, not a product.
+        x_NHD.masked_fill_(self.pad[rows].to(x_BTHD.device)[:, None, None], 0.0)
+        out_nRCD.copy_(x_NHD.view(nb, C, H, D).transpose(1, 2))
+        return out_nRCD
+
+    def store_block(self, x_nRCD: torch.Tensor, b0: int, out_BTHD: torch.Tensor) -> None:
+        """Writes tiles b0 .. b0 + nb [nb, R, C, D] into their tokens of out [B, T, H, D] (padding dropped)."""
+        B, T, H, D = out_BTHD.shape
+        nb, C = x_nRCD.shape[0], self.C
+        if self.gather is None:
+            x = x_nRCD.view(nb, B, H, C, D)
+            t0 = b0 * C
+            full = max(0, min(nb, (T - t0) // C))
+            out_BTHD[:, t0 : t0 + full * C].view(B, full, C, H, D).copy_(x[:full].permute(1, 0, 3, 2, 4))
+            if full < nb:
+                rem = T - t0 - full * C
+                out_BTHD[:, t0 + full * C : T] = x[full, :, :, :rem].permute(0, 2, 1, 3)
+            return
+        # Packed tokens of this block form one contiguous token range (the stream keeps token order).
+        lo, hi = self.token_range(b0, nb)
+        x_NHD = x_nRCD.transpose(1, 2).reshape(nb * C, H, D)
+        out_BTHD[0, lo:hi] = x_NHD.index_select(0, (self.token_pos[lo:hi] - b0 * C).to(x_NHD.device))
+
+    def token_range(self, b0: int, nb: int) -> tuple[int, int]:
+        bounds = torch.tensor([b0 * self.C, (b0 + nb) * self.C])
+        lo, hi = torch.searchsorted(self.token_pos, bounds).tolist()
+        return lo, hi
+
+    def segment_states(self, state: torch.Tensor | None, device) -> torch.Tensor:
+        """[B or N, H, K, V] (or None = zeros) -> [S, R, K, V] in the compute dtype, the layout of the state pass."""
+        if state is None:
+            return torch.zeros(self.num_segments, self.R, self.K, self.V, dtype=self.dtype, device=device)
+        return state.to(self.dtype).reshape(self.num_segments, self.R, self.K, self.V)
+
+    def states_out(self, state_SRKV: torch.Tensor) -> torch.Tensor:
+        return state_SRKV.reshape(-1, self.H, self.K, self.V)
 
 
-def unit_lower_inverse(L_BHCC: torch.Tensor) -> torch.Tensor:
-    """(I + L)⁻¹ for strictly lower-triangular L, exact to rounding (triangular solve, no power series).
+class TileBlock:
+    """The state-independent quantities of nb consecutive tiles (all [nb, R, ·]), computed with batched matmuls."""
 
-    Row i of the result depends only on rows ≤ i of L, which the causality tests rely on.
+    def __init__(self, q, k, v, g, beta, scale: float):
+        nb, R, C, K = q.shape
+        V = v.shape[-1]
+        G = g.cumsum(-2)
+        GC = G[..., -1:, :]
+        self.E, self.Ei, self.Er = G.exp(), G.neg().exp_(), (GC - G).exp_()
+        self.D = GC.exp().mT  # [nb, R, K, 1]
+        # Kd and Qd live in one [2C, K] buffer so that A and Aqk come from one matmul.
+        self.KQ = q.new_empty(nb, R, 2 * C, K)
+        self.Kd = torch.mul(k, self.E, out=self.KQ[..., :C, :])
+        self.Qd = torch.mul(q, self.E, out=self.KQ[..., C:, :]).mul_(scale)
+        self.Ki, self.Kr = k * self.Ei, k * self.Er
+        self.v, self.beta = v, beta
+        # Above the diagonal Kd Kiᵀ and Qd Kiᵀ hold e^(positive) products of later rows: large but finite (the
+        # chunk_size check), and removed by selection (masked_fill), never by multiplication (0·inf = NaN).
+        P = self.KQ @ self.Ki.mT
+        lower_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        self.strict_lower, self.lower = lower_CC.tril(-1), lower_CC
+        self.A = P[..., :C, :].masked_fill(~self.strict_lower, 0.0)
+        self.Aqk = P[..., C:, :].masked_fill(~self.lower, 0.0)
+        self.L = beta * self.A
+        self.Tinv = unit_lower_inverse_rows(self.L)
+        # Y = Tinv [−β⊙Kd | β⊙v] = [−W | Ũ]: the sign makes U = Ũ + (−W) h a single fused add.
+        X = q.new_empty(nb, R, C, K + V)
+        torch.mul(self.Kd, beta, out=X[..., :K]).neg_()
+        torch.mul(v, beta, out=X[..., K:])
+        self.Y = self.Tinv @ X
+        self.Wn, self.Ut = self.Y[..., :K], self.Y[..., K:]
+
+
+def unit_lower_inverse_rows(L_NCC: torch.Tensor) -> torch.Tensor:
+    """(I + L)⁻¹ for strictly lower-triangular L [..., C, C] by forward substitution, one row at a time.
+
+    Row i = e_i − Σ_{j<i} L_ij · row j: no power series (spec §4.3), and row i depends only on rows ≤ i of L
+    (causality). Batched LAPACK triangular solves on thousands of 16×16 systems were slower and, with threads,
+    erratic (tens of times slower on some runs), so this runs C − 1 small batched steps instead.
     """
-    C = L_BHCC.shape[-1]
-    eye_CC = torch.eye(C, dtype=L_BHCC.dtype, device=L_BHCC.device)
-    return torch.linalg.solve_triangular(
-        eye_CC + L_BHCC, eye_CC.expand_as(L_BHCC), upper=False, unitriangular=True
-    )
+    C = L_NCC.shape[-1]
+    Tinv = torch.eye(C, dtype=L_NCC.dtype, device=L_NCC.device).expand_as(L_NCC).contiguous()
+    for i in range(1, C):
+        Tinv[..., i, :i] = -(L_NCC[..., i, :i, None] * Tinv[..., :i, :i]).sum(-2)
+    return Tinv
 
 
-def _to_tiles(x_BTHD: torch.Tensor, C: int) -> torch.Tensor:
-    """[B, T, H, D] -> [n, B, H, C, D], zero-padding T up to n·C; each tile is a contiguous block."""
-    B, T, H, D = x_BTHD.shape
-    n = -(-T // C)
-    x_BTHD = F.pad(x_BTHD, (0, 0, 0, 0, 0, n * C - T))
-    return x_BTHD.reshape(B, n, C, H, D).permute(1, 0, 3, 2, 4).contiguous()
+def _entering_state(i: int, h, h0_SRKV, tiling: Tiling):
+    return h0_SRKV[tiling.starts[i]] if i in tiling.starts else h
 
 
-def _chunked_sequence(q, k, v, g, beta, S_BHKV, scale, C):
-    """kda_chunked for one run of tokens, all inputs already in the compute dtype."""
-    B, T, H, _ = q.shape
-    V = v.shape[-1]
-    # Zero padding gives the neutral rows: k = 0 writes nothing, g = 0 keeps the state, q = 0 reads nothing.
-    q_nBHCK, k_nBHCK, v_nBHCV, g_nBHCK = (_to_tiles(x, C) for x in (q, k, v, g))
-    beta_nBHC1 = _to_tiles(beta[..., None], C)
-    lower_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    strict_lower_CC = lower_CC.tril(-1)
+def chunked_forward(q, k, v, g, beta, initial_state, scale, tiling: Tiling, save_states: bool):
+    """Runs the op; returns (o [B, T, H, V] in v's dtype, final [B or N, H, K, V], checkpoints [n_ckpt, R, K, V])."""
+    device, R, K, V = q.device, tiling.R, tiling.K, tiling.V
+    inputs = (q, k, v, g, beta[..., None])
+    in_bufs = _block_buffers(inputs, tiling, _BLOCK_TILES)
+    h0_SRKV = tiling.segment_states(initial_state, device)
+    final_SRKV = h0_SRKV.clone()  # segments with no tokens keep their initial state
+    o_BTHV = torch.empty(v.shape, dtype=v.dtype, device=device)
+    o_blk = torch.empty(_BLOCK_TILES, R, tiling.C, V, dtype=tiling.dtype, device=device)
+    num_ckpt = -(-tiling.n // _CHECKPOINT_TILES) if save_states else 0
+    checkpoints = torch.empty(num_ckpt, R, K, V, dtype=tiling.dtype, device=device)
+    # Fixed work buffers: fresh large allocations page-fault on every call, which costs more than the math.
+    h_bufs = torch.empty(2, R, K, V, dtype=tiling.dtype, device=device)
+    U, Qh = torch.empty(2, R, tiling.C, V, dtype=tiling.dtype, device=device)
+    h = h0_SRKV[0]
+    for b0 in range(0, tiling.n, _BLOCK_TILES):
+        nb = min(_BLOCK_TILES, tiling.n - b0)
+        blk = TileBlock(*(tiling.load_block(x, b0, buf[:nb]) for x, buf in zip(inputs, in_bufs)), scale)
+        for j in range(nb):
+            i = b0 + j
+            h = _entering_state(i, h, h0_SRKV, tiling)
+            if save_states and i % _CHECKPOINT_TILES == 0:
+                checkpoints[i // _CHECKPOINT_TILES] = h
+            torch.baddbmm(blk.Ut[j], blk.Wn[j], h, out=U)
+            torch.bmm(blk.Qd[j], h, out=Qh)
+            torch.baddbmm(Qh, blk.Aqk[j], U, out=o_blk[j])
+            h_next = h_bufs[0] if h.data_ptr() != h_bufs[0].data_ptr() else h_bufs[1]
+            _decay_and_write(h, blk, j, U, out=h_next)
+            h = h_next
+            if i in tiling.ends:
+                final_SRKV[tiling.ends[i]] = h
+        tiling.store_block(o_blk[:nb], b0, o_BTHV)
+    return o_BTHV, tiling.states_out(final_SRKV), (checkpoints if save_states else None)
 
-    o_tiles = []
-    for i in range(q_nBHCK.shape[0]):
-        k_BHCK, beta_BHC1 = k_nBHCK[i], beta_nBHC1[i]
-        G_BHCK = g_nBHCK[i].cumsum(dim=-2)
-        G_last_BH1K = G_BHCK[..., -1:, :]
-        decay_BHCK = G_BHCK.exp()
-        Qd_BHCK = (scale * q_nBHCK[i]) * decay_BHCK
-        Kd_BHCK = k_BHCK * decay_BHCK
-        Ki_BHCK = k_BHCK * (-G_BHCK).exp()
-        Kr_BHCK = k_BHCK * (G_last_BH1K - G_BHCK).exp()
 
-        # Above the diagonal Kd Kiᵀ and Qd Kiᵀ hold e^(positive) factors of later rows: large but finite
-        # (the chunk_size check), and removed by selection (masked_fill), never by multiplication.
-        L_BHCC = (beta_BHC1 * (Kd_BHCK @ Ki_BHCK.mT)).masked_fill(~strict_lower_CC, 0.0)
-        Tinv_BHCC = unit_lower_inverse(L_BHCC)
-        U_BHCV = Tinv_BHCC @ (beta_BHC1 * (v_nBHCV[i] - Kd_BHCK @ S_BHKV))
-        Aqk_BHCC = (Qd_BHCK @ Ki_BHCK.mT).masked_fill(~lower_CC, 0.0)
-        o_tiles.append(Qd_BHCK @ S_BHKV + Aqk_BHCC @ U_BHCV)
-        S_BHKV = G_last_BH1K.mT.exp() * S_BHKV + Kr_BHCK.mT @ U_BHCV
+def _block_buffers(tensors, tiling: Tiling, nb: int) -> list[torch.Tensor]:
+    """One reusable [nb, R, C, D] compute-dtype buffer per [B, T, H, D] tensor."""
+    return [torch.empty(nb, tiling.R, tiling.C, x.shape[-1], dtype=tiling.dtype, device=x.device)
+            for x in tensors]  # fmt: skip
 
-    if not o_tiles:
-        return v.new_zeros(B, 0, H, V), S_BHKV
-    o_nBHCV = torch.stack(o_tiles)
-    o_BTHV = o_nBHCV.permute(1, 0, 3, 2, 4).reshape(B, -1, H, V)
-    return o_BTHV[:, :T], S_BHKV
+
+def _decay_and_write(h, blk: TileBlock, j: int, U, out):
+    """out = Diag(e^Γ_C) h + Krᵀ U, the state update; forward and backward recompute share it (same bits)."""
+    torch.mul(h, blk.D[j], out=out)
+    out.baddbmm_(blk.Kr[j].mT, U)
+
+
+class _KDAChunkFn(torch.autograd.Function):
+    """kda_chunked with a hand-written backward that saves inputs + 64-token checkpoint states only."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, tiling):
+        o, final, checkpoints = chunked_forward(q, k, v, g, beta, initial_state, scale, tiling, save_states=True)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, checkpoints)
+        ctx.scale, ctx.tiling = scale, tiling
+        return o, final
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, dfinal):
+        q, k, v, g, beta, initial_state, checkpoints = ctx.saved_tensors
+        grads = chunked_backward(q, k, v, g, beta, initial_state, checkpoints, do, dfinal, ctx.scale, ctx.tiling)
+        dq, dk, dv, dg, dbeta, dh0 = grads
+        if initial_state is None:
+            dh0 = None
+        return dq, dk, dv, dg, dbeta, dh0, None, None
+
+
+def chunked_backward(q, k, v, g, beta, initial_state, checkpoints, do, dfinal, scale, tiling: Tiling):
+    """Reverse pass over blocks (last first); per 64-token chunk it recomputes the states from its checkpoint."""
+    device, R, K, V, C = q.device, tiling.R, tiling.K, tiling.V, tiling.C
+    inputs = (q, k, v, g, beta[..., None], do if do is not None else torch.zeros_like(v))
+    in_bufs = _block_buffers(inputs, tiling, _BACKWARD_BLOCK_TILES)
+    # Gradients in the inputs' dtypes; every token is written by exactly one block.
+    grads = [torch.empty(x.shape, dtype=x.dtype, device=device) for x in inputs[:5]]
+    h0_SRKV = tiling.segment_states(initial_state, device)
+    dfinal_SRKV = tiling.segment_states(dfinal, device)
+    dh0_SRKV = dfinal_SRKV.clone()  # segments with no tokens pass the final-state gradient straight through
+    # Work buffers reused by every block: h and U per tile, dU per tile, and dh at every tile boundary.
+    hs = torch.empty(_BACKWARD_BLOCK_TILES, R, K, V, dtype=tiling.dtype, device=device)
+    dhs = torch.zeros(_BACKWARD_BLOCK_TILES + 1, R, K, V, dtype=tiling.dtype, device=device)
+    Us = torch.empty(_BACKWARD_BLOCK_TILES, R, C, V, dtype=tiling.dtype, device=device)
+    dUdO = torch.empty(_BACKWARD_BLOCK_TILES, R, 2 * C, V, dtype=tiling.dtype, device=device)  # [dU; dO] per tile
+    dGCD = torch.empty(_BACKWARD_BLOCK_TILES, R, K, dtype=tiling.dtype, device=device)  # Σ_v ∂h_out ⊙ h per tile
+    for b0 in reversed(range(0, tiling.n, _BACKWARD_BLOCK_TILES)):
+        nb = min(_BACKWARD_BLOCK_TILES, tiling.n - b0)
+        q_b, k_b, v_b, g_b, beta_b, do_blk = (tiling.load_block(x, b0, buf[:nb]) for x, buf in zip(inputs, in_bufs))
+        blk = TileBlock(q_b, k_b, v_b, g_b, beta_b, scale)
+        work = (hs[:nb], Us[:nb], dUdO[:nb], dhs[: nb + 1], dGCD[:nb])
+        if nb < _BACKWARD_BLOCK_TILES:  # the last block is the first one processed: nothing to carry in
+            dhs[nb].zero_()
+        _reverse_state_pass(blk, b0, do_blk, work, checkpoints, h0_SRKV, dfinal_SRKV, dh0_SRKV, tiling)
+        for dst, src in zip(grads, _block_backward(blk, do_blk, work, scale)):
+            tiling.store_block(src, b0, dst)
+        dhs[_BACKWARD_BLOCK_TILES].copy_(dhs[0])  # dh entering this block = dh leaving the previous one
+    dq, dk, dv, dg, dbeta = grads
+    return dq, dk, dv, dg, dbeta[..., 0], tiling.states_out(dh0_SRKV)
+
+
+def _reverse_state_pass(blk: TileBlock, b0, do_blk, work, checkpoints, h0_SRKV, dfinal_SRKV, dh0_SRKV, tiling):
+    """The sequential part of backward for one block: per 64-token chunk (last first) recompute the entering
+    states h and pseudo-values U from the checkpoint, then walk the tiles backwards carrying dh = ∂loss/∂h.
+
+    Fills work = (hs [nb] entering states, Us [nb], dUdO [nb] = [dU; dO] rows, dhs [nb + 1]: dhs[j] is
+    ∂loss/∂(state entering tile j), dhs[nb] the gradient arriving from after the block, dGCD [nb] = Σ_v dh_out ⊙ h)
+    for the batched `_block_backward`.
+    """
+    hs, Us, dUdO, dhs, dGCD = work
+    nb, C = hs.shape[0], blk.Qd.shape[-2]
+    # dh_in = D ⊙ dh_out + Qdᵀ dO + Wnᵀ dU: one rank-2C update with the stacked [Wn; Qd] and [dU; dO].
+    WQ = torch.cat([blk.Wn, blk.Qd], -2)
+    dUdO[..., C:, :] = do_blk
+    AqkT_dO = blk.Aqk.mT @ do_blk  # [nb, R, C, V], the state-independent part of dU
+    prod = torch.empty_like(hs[0])
+    for c0 in reversed(range(0, nb, _CHECKPOINT_TILES)):
+        c1 = min(c0 + _CHECKPOINT_TILES, nb)
+        hs[c0] = checkpoints[(b0 + c0) // _CHECKPOINT_TILES]
+        for j in range(c0, c1):
+            if j > c0 and b0 + j in tiling.starts:
+                hs[j] = h0_SRKV[tiling.starts[b0 + j]]
+            # The same ops as the forward, so the recomputed states are bitwise the forward's.
+            torch.baddbmm(blk.Ut[j], blk.Wn[j], hs[j], out=Us[j])
+            if j + 1 < c1:
+                _decay_and_write(hs[j], blk, j, Us[j], out=hs[j + 1])
+        for j in reversed(range(c0, c1)):
+            i = b0 + j
+            if i in tiling.ends:
+                dhs[j + 1] = dfinal_SRKV[tiling.ends[i]]
+            # U = Ũ + Wn h feeds O (via Aqk) and the next state (via Krᵀ); h feeds U, O (via Qd) and the decay.
+            dUdO[j, :, :C] = torch.baddbmm(AqkT_dO[j], blk.Kr[j], dhs[j + 1])
+            torch.sum(torch.mul(dhs[j + 1], hs[j], out=prod), -1, out=dGCD[j])
+            torch.mul(dhs[j + 1], blk.D[j], out=dhs[j])
+            dhs[j].baddbmm_(WQ[j].mT, dUdO[j])
+            if i in tiling.starts:
+                dh0_SRKV[tiling.starts[i]] = dhs[j]
+
+
+def _block_backward(blk: TileBlock, do_blk, work, scale):
+    """Batched gradients of one block's tile quantities back to (dq, dk, dv, dg, dbeta) tiles [nb, R, C, ·]."""
+    hs, Us, dUdO, dhs, dGCD = work
+    dhs_out = dhs[1:]  # ∂loss/∂(state leaving tile j)
+    C, K = blk.Qd.shape[-2], blk.Qd.shape[-1]
+    dUs = dUdO[..., :C, :]
+    dWnQd = dUdO @ hs.mT  # [dWn; dQd] from the state products
+    dKr = Us @ dhs_out.mT
+    dGC = dGCD * blk.D[..., 0] + (dKr * blk.Kr).sum(-2)  # ∂/∂Γ_C via D = e^Γ_C and Kr
+    dAqk = (do_blk @ Us.mT).masked_fill_(~blk.lower, 0.0)
+    # Y = Tinv X  =>  dX = Tinvᵀ dY  and  dL = −dX Yᵀ (kept on L's strictly lower support); dY = [dWn | dU].
+    dY = torch.cat([dWnQd[..., :C, :], dUs], -1)
+    dX = blk.Tinv.mT @ dY
+    dL = (dX @ blk.Y.mT).neg_().masked_fill_(~blk.strict_lower, 0.0)
+    dX_K, dX_V = dX[..., :K], dX[..., K:]  # X = [−β⊙Kd | β⊙v]
+    dbeta = (dL * blk.A).sum(-1, keepdim=True) - (dX_K * blk.Kd).sum(-1, keepdim=True)
+    dbeta += (dX_V * blk.v).sum(-1, keepdim=True)
+    dv = blk.beta * dX_V
+    # P = [Kd; Qd] Kiᵀ holds A (rows < C) and Aqk (rows ≥ C).
+    dP = torch.cat([blk.beta * dL, dAqk], -2)
+    dKQ = dP @ blk.Ki
+    dKd = dKQ[..., :C, :] - blk.beta * dX_K
+    dQd = dWnQd[..., C:, :] + dKQ[..., C:, :]
+    dKi = dP.mT @ blk.KQ
+    # In-place accumulation: each block-sized temporary costs a pass over memory on one core.
+    dq = torch.mul(dQd, blk.E).mul_(scale)
+    dk = torch.mul(dKd, blk.E).addcmul_(dKi, blk.Ei).addcmul_(dKr, blk.Er)
+    dG = torch.mul(dQd, blk.Qd).addcmul_(dKd, blk.Kd).addcmul_(dKi, blk.Ki, value=-1).addcmul_(dKr, blk.Kr, value=-1)
+    dG[..., -1, :] += dGC
+    dg = dG.flip(-2).cumsum(-2).flip(-2)  # Γ = cumsum(g): reverse cumsum
+    return dq, dk, dv, dg, dbeta

@@ -1,0 +1,136 @@
+"""Issue #4's training targets, measured in one process, one run after another (ratios and floors from the same run).
+
+    python benchmarks/train_targets.py [--quick] [--out benchmarks/results/train-cpu]
+
+1. `k3 train --preset tiny` defaults on the embedded stdlib corpus: wall time until the validation loss falls below
+   the unigram baseline, final validation loss, the printed sample, tokens/s and MFU against this machine's matmul
+   rate (measured here).
+2. Balancing: the same run with `--balance sign` and `--balance none`; MaxVio as spec/balancing.md §3 reports it (mean
+   of the per-step max over layers, last 20 steps) against the floor of perfectly balanced random routing at the same
+   tokens per step (q̄ stated).
+3. q̄ >= 2048 tokens per expert per step (tiny: 8 experts, top-2, 8192 tokens per step): per-layer MaxVio, last 20 steps.
+4. MQAR accuracy of a small recall run, and needle retrieval at 4x its training length.
+
+Writes OUT.json and OUT.md. Run it on a quiet machine: concurrent processes distort tokens/s (the ratios and MaxVio
+values do not depend on speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from openk3.train.config import TrainConfig
+from openk3.train.throughput import matmul_gflops
+from openk3.train.trainer import Trainer
+
+
+def _run(name: str, root: str, **kw) -> dict:
+    out = os.path.join(root, name)
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = TrainConfig(out=out, progress=False, sample_tokens=0, **kw)
+    start = time.perf_counter()
+    trainer = Trainer(cfg, log=lambda *a: None)
+    setup = time.perf_counter() - start
+    trainer.run()
+    wall = time.perf_counter() - start
+    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    last20 = [r["max_vio"] for r in rows[-20:] if r.get("max_vio") is not None]
+    per_layer = list(zip(*[r["max_vio_per_layer"] for r in rows[-20:] if r.get("max_vio_per_layer")]))
+    evals = [r for r in rows if "val_loss" in r]
+    result = {
+        "name": name, "config": {k: v for k, v in kw.items()}, "steps": len(rows), "wall_s": wall, "setup_s": setup,
+        "tokens_per_step": cfg.tokens_per_step, "final": evals[-1] if evals else rows[-1],
+        "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rows[len(rows) // 2 :]),
+        "mfu_median": statistics.median(r["mfu"] for r in rows[len(rows) // 2 :]),
+        "max_vio_last20": statistics.mean(last20) if last20 else None,
+        "max_vio_last20_per_layer": [statistics.mean(v) for v in per_layer],
+        "max_vio_floor": trainer.max_vio_floor,
+        "q_bar": cfg.tokens_per_step * trainer.model.text_config.num_experts_per_token / trainer.model.text_config.num_experts,
+        "evals": [{k: r[k] for k in ("step", "val_loss", "unigram_loss", "mqar_acc", "needle_acc") if k in r} for r in evals],
+    }  # fmt: skip
+    if evals and "unigram_loss" in evals[0]:
+        crossed = next((r for r in evals if r["val_loss"] < r["unigram_loss"]), None)
+        result["below_unigram"] = {"step": crossed["step"], "approx_s": setup + crossed["elapsed_s"]} if crossed else None
+    if cfg.data not in ("mqar", "needle"):
+        result["sample"] = trainer.data.sample(trainer.model, 80)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few steps of each run (smoke test)")
+    parser.add_argument("--out", default="benchmarks/results/train-cpu")
+    parser.add_argument("--skip", nargs="*", default=[], help="runs to skip: default sign none qbar2048 mqar needle")
+    args = parser.parse_args()
+    q = args.quick
+    root = tempfile.mkdtemp(prefix="openk3-bench-train-")
+    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
+               "threads": torch.get_num_threads(), "matmul_fp32_gflops": matmul_gflops(torch.device("cpu"), n=2048, seconds=1.0)}  # fmt: skip
+    print(f"machine: {machine}")
+    default = dict(steps=6 if q else TrainConfig.steps, eval_every=3 if q else 25)
+    runs = {
+        "default": dict(balance="quantile", **default),
+        "sign": dict(balance="sign", **default),
+        "none": dict(balance="none", **default),
+        "qbar2048": dict(batch_size=32, seq_len=256, steps=4 if q else 60, eval_every=1000, lr=1e-3),
+        "mqar": dict(data="mqar", seq_len=64, batch_size=32, steps=4 if q else 300, curriculum=0.0, lr=2e-3,
+                     eval_every=2 if q else 100),
+        "needle": dict(data="needle", seq_len=64, batch_size=32, steps=4 if q else 400, curriculum=0.0, lr=2e-3,
+                       eval_every=2 if q else 100),
+    }  # fmt: skip
+    results = []
+    for name, kw in runs.items():
+        if name in args.skip:
+            continue
+        print(f"run {name}: {kw}", flush=True)
+        results.append(_run(name, root, **kw))
+        r = results[-1]
+        print(f"  {r['steps']} steps in {r['wall_s']:.0f}s, final {r['final']}, max_vio_last20 {r['max_vio_last20']}, "
+              f"floor {r['max_vio_floor']:.4f} (q̄ {r['q_bar']:.0f})", flush=True)  # fmt: skip
+    report = {"machine": machine, "runs": results}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    with open(args.out + ".md", "w", encoding="utf-8") as f:
+        f.write(_markdown(report))
+    print(_markdown(report))
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"# Training targets (issue #4)\n", f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
+             f"{m['threads']} threads, measured fp32 matmul {m['matmul_fp32_gflops']:.0f} GFLOP/s.\n",
+             "| run | steps | wall s | tokens/s | MFU | final val loss | unigram | below unigram at | MaxVio last 20 | floor | q̄ | MQAR acc | needle acc (4x) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in report["runs"]:
+        f = r["final"]
+        below = r.get("below_unigram")
+        lines.append(
+            f"| {r['name']} | {r['steps']} | {r['wall_s']:.0f} | {r['tokens_per_s_median']:.0f} | {r['mfu_median']:.3f} | "
+            f"{f.get('val_loss', float('nan')):.3f} | {f.get('unigram_loss', float('nan')):.3f} | "
+            f"{'step %d (~%.0fs)' % (below['step'], below['approx_s']) if below else '-'} | "
+            f"{r['max_vio_last20'] if r['max_vio_last20'] is None else round(r['max_vio_last20'], 4)} | {r['max_vio_floor']:.4f} | "
+            f"{r['q_bar']:.0f} | {f.get('mqar_acc', float('nan')):.3f} | {f.get('needle_acc', float('nan')):.3f} |"
+        )
+    for r in report["runs"]:
+        if r["name"] == "qbar2048":
+            lines.append(f"\nq̄ = {r['q_bar']:.0f}: per-layer MaxVio (last 20 steps) = "
+                         + ", ".join(f"{v:.4f}" for v in r["max_vio_last20_per_layer"]))  # fmt: skip
+        if "sample" in r and r["name"] == "default":
+            lines.append(f"\nSample after the default run: `{r['sample']!r}`")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The one dispatch point for ops with more than one implementation (STYLE.md rule 9).
+
+Owns `select`, `use_impl` and the dispatched entry points `kda_chunked` / `kda_step`. "ref" is the always-present
+CPU path (`ops.kda.chunk.kda_chunked`, the fast chunked op, and `ops.kda.step.kda_step`); "fla" is fla-core's
+Triton kernels (`ops.kda.gpu`), chosen for CUDA tensors when fla-core and triton are installed. Nothing in `model/`
+checks devices; tests force an implementation with `use_impl`.
+"""
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from openk3.ops.kda import gpu
+from openk3.ops.kda.chunk import kda_chunked as kda_chunked_cpu
+from openk3.ops.kda.step import kda_step as kda_step_cpu
+
+IMPLS: dict[str, dict[str, Callable]] = {
+    "kda_chunked": {"ref": kda_chunked_cpu, "fla": gpu.kda_chunked_fla},
+    "kda_step": {"ref": kda_step_cpu, "fla": gpu.kda_step_fla},
+}
+_forced: dict[str, str] = {}
+
+
+def select(op: str, device: torch.device) -> str:
+    """The implementation name `op` uses for tensors on `device`: the forced one, else "fla" on CUDA when
+    available, else "ref"."""
+    if op in _forced:
+        return _forced[op]
+    return "fla" if device.type == "cuda" and gpu.fla_available() else "ref"
+
+
+@contextmanager
+def use_impl(op: str, name: str) -> Iterator[None]:
+    """Force `op` to implementation `name` inside the block (tests, benchmarks)."""
+    if name not in IMPLS[op]:
+        raise ValueError(f"unknown implementation {name!r} for {op}; expected one of {sorted(IMPLS[op])}")
+    previous = _forced.get(op)
+    _forced[op] = name
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _forced[op]
+        else:
+            _forced[op] = previous
+
+
+def kda_chunked(q: torch.Tensor, *args, **kwargs):
+    """Chunked KDA for prefill and training (contract of `ops.kda.kda_chunked`)."""
+    return IMPLS["kda_chunked"][select("kda_chunked", q.device)](q, *args, **kwargs)
+
+
+def kda_step(q: torch.Tensor, *args, **kwargs):
+    """One decode token on a state (contract of `ops.kda.kda_step`)."""
+    return IMPLS["kda_step"][select("kda_step", q.device)](q, *args, **kwargs)

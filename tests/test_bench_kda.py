@@ -1,0 +1,27 @@
+"""`k3 bench kda --quick` runs in seconds and writes JSON with every cell, skipped ones carrying a reason."""
+
+import json
+
+from openk3.bench import kda as bench_kda
+
+
+def test_bench_kda_quick_writes_every_cell(tmp_path):
+    out = tmp_path / "kda.json"
+    assert bench_kda.main(["--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {"machine", "matmul_gflops", "cells", "checks", "targets"} <= set(result)
+    assert result["matmul_gflops"]["fp32"] > 0 and result["machine"]["torch"]
+    cells = result["cells"]
+    expected = {(d, p, m, T) for d in ("fp32", "bf16") for p in bench_kda.PATHS for m in bench_kda.MODES
+                for T in (64, 256)}  # fmt: skip
+    assert {(c["dtype"], c["path"], c["mode"], c["T"]) for c in cells} == expected
+    for c in cells:
+        assert c["status"] in ("ok", "skipped")
+        if c["status"] == "skipped":
+            assert c["reason"]
+        else:
+            assert c["seconds"] > 0 and c["gflops"] > 0 and c["matmul_fraction"] > 0
+    assert any(c["status"] == "skipped" and c["path"] == "fla_naive" and c["mode"] == "fwd+bwd" for c in cells)
+    assert all(ok for ok in result["checks"]["saturated_finite"].values())
+    assert all(v["o"] <= 1e-2 for v in result["checks"]["bf16_rel_rms_vs_fp32"].values())
+    assert all("target" in t and "measured" in t for t in result["targets"])

@@ -135,7 +135,7 @@ def _train_config(args):
 
     given = {field: getattr(args, field) for _, field, _, _ in TRAIN_FLAGS if getattr(args, field) is not None}
     given.update(out=args.out, resume=args.resume, activation_checkpointing=args.activation_checkpointing or None,
-                 progress=not args.no_progress)  # fmt: skip
+                 balance_exact_thresholds=args.balance_exact_thresholds or None, progress=not args.no_progress)  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     saved_file = os.path.join(args.out, "train_config.json")
     if args.resume and os.path.exists(saved_file):
@@ -253,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl, train_config.json")
     p.add_argument("--resume", action="store_true", help="continue the run in --out up to --steps")
     p.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
+    p.add_argument("--balance-exact-thresholds", action="store_true",
+                   help="quantile balancing with exact per-entry thresholds (spec §2.4 refinement, not K3's rule)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 

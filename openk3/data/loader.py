@@ -97,11 +97,18 @@ class TokenLoader:
     `loop=False` (evaluation): one pass over the documents; the tail is padded and the last batch filled with
     all-padding rows, then iteration stops. With `world_size` data-parallel ranks, each step takes
     `world_size * batch_size` consecutive rows and rank r gets rows [r * batch_size, (r + 1) * batch_size).
+
+    `random_windows=True` (training): every row is a window of the (epoch-0-anchored, infinite) stream starting at a
+    position drawn from (seed, global row index) instead of the next consecutive window. Consecutive rows of one
+    document make a batch of a few documents only, whose content-specific routing skew dwarfs the balancing noise
+    of independent tokens; random windows give every row its own place in the corpus. The state is then the number
+    of rows drawn, so resuming and changing seq_len or batch_size still continue the same sequence of windows.
     """
 
     def __init__(
         self, stream: TokenStream, batch_size: int, seq_len: int, bos_id: int, eos_id: int, pad_id: int,
         seed: int = 0, shuffle: bool = True, loop: bool = True, rank: int = 0, world_size: int = 1,
+        random_windows: bool = False,
     ):  # fmt: skip
         if stream.num_docs == 0:
             raise ValueError("TokenLoader: the token stream has no documents")
@@ -115,6 +122,10 @@ class TokenLoader:
         self.wrapped_lens = (stream.offsets[1:] - stream.offsets[:-1]).numpy() + 2  # [D]
         self.epoch_tokens = int(self.wrapped_lens.sum())  # S
         self.cursor = 0  # stream position of the next step's first row
+        self.random_windows = random_windows
+        self.rows_drawn = 0  # random_windows: global index of the next step's first row
+        if random_windows and not loop:
+            raise ValueError("TokenLoader: random_windows needs loop=True")
         self._epoch: tuple[int, np.ndarray, np.ndarray] | None = None
         self.set_seq_len(seq_len)
 
@@ -133,7 +144,7 @@ class TokenLoader:
 
     def state_dict(self) -> dict:
         return {"cursor": self.cursor, "seq_len": self.seq_len, "seed": self.seed, "shuffle": self.shuffle,
-                "epoch_tokens": self.epoch_tokens, "num_docs": self.stream.num_docs}  # fmt: skip
+                "epoch_tokens": self.epoch_tokens, "num_docs": self.stream.num_docs, "rows_drawn": self.rows_drawn}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         """Continue exactly where the saved loader stopped (also with a different world_size or batch_size)."""
@@ -143,6 +154,7 @@ class TokenLoader:
                 raise ValueError(f"loader state has {key}={state[key]}, this loader has {mine[key]}: the corpus, "
                                  f"tokenizer or seed differs from the run that saved it")  # fmt: skip
         self.cursor = int(state["cursor"])
+        self.rows_drawn = int(state.get("rows_drawn", 0))
         self.set_seq_len(int(state["seq_len"]))
 
     def __iter__(self) -> TokenLoader:
@@ -154,6 +166,12 @@ class TokenLoader:
         if end is not None and self.cursor >= end - 1:
             raise StopIteration
         rows = []
+        if self.random_windows:
+            for i in range(self.rank * B, (self.rank + 1) * B):
+                start = int(np.random.default_rng([self.seed, 1, self.rows_drawn + i]).integers(self.epoch_tokens))
+                rows.append(window_to_row(*self._window(start, start + L + 1)))
+            self.rows_drawn += self.world_size * B
+            return stack_rows(rows)
         for i in range(self.rank * B, (self.rank + 1) * B):
             start = self.cursor + i * L
             if end is not None and start >= end - 1:

@@ -37,11 +37,21 @@ from openk3.train.metrics import expert_loads, max_vio, min_load
 METHODS = ("quantile", "sign", "none")
 
 
-def required_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int) -> torch.Tensor:
+def required_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int, exact_thresholds: bool = False) -> torch.Tensor:
     """r_ij = alpha_i − s_ij [T, E] (§2.1 step 2): the bias expert j needs to enter token i's top-k, with every
-    cutoff alpha_i held fixed. The old bias enters only through alpha."""
-    _, cutoff_T = route_topk_cutoff(scores_TE, bias_E, k)
-    return cutoff_T[:, None] - scores_TE
+    cutoff alpha_i held fixed. The old bias enters only through alpha.
+
+    exact_thresholds (§2.4's optional refinement, not K3's rule): for an expert outside token i's top-k use the k-th
+    biased score instead of the (k+1)-th, i.e. the exact threshold given the other biases. K3's surrogate puts every
+    token whose (k+1)-th choice is j exactly at r_ij = b_j, a point mass of about m/n tokens (q̄/k) that no bias
+    inside one bin can split; with few experts per token (tiny: k = 2) that mass is half an expert's target load."""
+    if not exact_thresholds:
+        _, cutoff_T = route_topk_cutoff(scores_TE, bias_E, k)
+        return cutoff_T[:, None] - scores_TE
+    vals_Tk1, idx_Tk1 = torch.topk(scores_TE + bias_E, k + 1, dim=-1, sorted=True)
+    selected_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter_(1, idx_Tk1[:, :k], True)
+    threshold_TE = torch.where(selected_TE, vals_Tk1[:, k : k + 1], vals_Tk1[:, k - 1 : k])
+    return threshold_TE - scores_TE
 
 
 def bias_bounds(bias_E: torch.Tensor) -> tuple[float, float]:
@@ -58,12 +68,13 @@ def quantile_histogram(
     hi: float,
     num_bins: int,
     token_mask_T: torch.Tensor | None = None,
+    exact_thresholds: bool = False,
 ) -> torch.Tensor:
     """Counts of r_ij per expert in B uniform bins over [lo, hi]: int32 [E, B] (§2.2 Accumulate). Each kept token adds
     one count to every expert's row. The bin index is computed in fp64 from the fp32 r, so the only rounding is
     the floor itself and the histogram of a concatenation is exactly the sum of the shards' histograms."""
     E = scores_TE.shape[-1]
-    r_TE = required_bias(scores_TE, bias_E, k)
+    r_TE = required_bias(scores_TE, bias_E, k, exact_thresholds)
     if token_mask_T is not None:
         r_TE = r_TE[token_mask_T]
     bin_TE = ((r_TE.double() - lo) * num_bins / (hi - lo)).floor_().clamp_(0, num_bins - 1).long()
@@ -144,12 +155,14 @@ class Balancer:
         num_bins: int = 1000,
         sign_rate: float = 1e-3,
         process_group: dist.ProcessGroup | None = None,
+        exact_thresholds: bool = False,
     ):
         if method not in METHODS:
             raise ValueError(f"balance method must be one of {METHODS}, got {method!r}")
         if num_bins < 1:
             raise ValueError(f"num_bins must be positive, got {num_bins}")
         self.method, self.num_bins, self.sign_rate, self.process_group = method, num_bins, sign_rate, process_group
+        self.exact_thresholds = exact_thresholds
         self.names, self.layers = [], []
         for name, module in model.named_modules():
             if hasattr(getattr(module, "gate", None), "e_score_correction_bias") and hasattr(module, "observer"):
@@ -206,7 +219,7 @@ class Balancer:
         if self.method == "quantile":
             bias_E = module.gate.e_score_correction_bias
             hist_EB = quantile_histogram(scores_TE.detach(), bias_E.detach(), module.top_k, self.lo[i], self.hi[i],
-                                         self.num_bins, mask_T)  # fmt: skip
+                                         self.num_bins, mask_T, self.exact_thresholds)  # fmt: skip
             self._hist[i] = hist_EB if self._hist[i] is None else self._hist[i] + hist_EB
 
     def _reduced_counts(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:

@@ -27,6 +27,7 @@ class TrainConfig:
     seed: int = 0
     out: str = "runs/tiny"
     balance: str = "quantile"
+    balance_exact_thresholds: bool = False  # spec/balancing.md §2.4 refinement (not K3's rule); helps small k
     balance_bins: int = 1000  # quantile-balancing histogram bins (K3: 1000; more resolve near-tied scores better)
     batch_size: int = 16  # global batch, in sequences of the final length
     micro_batch_size: int | None = None  # sequences per forward/backward; None = the whole batch

@@ -53,7 +53,8 @@ RECALL_VOCAB = 64
 
 
 def mqar_batch(rows: int, seq_len: int, text, seed: int) -> PackedBatch:
-    pairs = max(2, seq_len // 16)
+    # One pair per 16 tokens, at most RECALL_VOCAB // 4 (keys are distinct, drawn from half the recall vocabulary).
+    pairs = min(max(2, seq_len // 16), RECALL_VOCAB // 4)
     vocab = (0, min(RECALL_VOCAB, text.bos_token_id))
     return mqar(rows, seq_len, pairs, pairs, vocab, text.bos_token_id, text.bos_token_id + 4, seed=seed)
 
@@ -62,7 +63,9 @@ def needle_batch(rows: int, seq_len: int, text, seed: int, depth: float | None =
     if depth is None:  # training: a random depth per batch
         depth = float(torch.rand((), generator=torch.Generator().manual_seed(seed + 7)))
     vocab = (0, min(RECALL_VOCAB, text.bos_token_id))
-    return needle(rows, seq_len, depth, vocab, text.bos_token_id, text.bos_token_id + 3, seed=seed)
+    # A 2-token key (4096 combinations) is unique in a random-token haystack; the 2-token value is the answer.
+    return needle(rows, seq_len, depth, vocab, text.bos_token_id, text.bos_token_id + 3, key_len=2, value_len=2,
+                  seed=seed)  # fmt: skip
 
 
 def copy_batch(rows: int, seq_len: int, text, seed: int) -> PackedBatch:
@@ -99,8 +102,10 @@ class RunData:
         self.train_stream = tokenize_documents(train_docs, self.tokenizer, cache_dir(), progress=cfg.progress)
         self.val_stream = tokenize_documents(val_docs, self.tokenizer, cache_dir(), progress=False)
         t = text_config
+        # Random windows: each row from its own place in the corpus, so a batch is not a few documents (whose
+        # content skews expert loads far beyond the balancing noise of independent tokens; docs/notes.md).
         self.loader = TokenLoader(self.train_stream, 1, cfg.seq_len, t.bos_token_id, t.eos_token_id,
-                                  t.pad_token_id, seed=cfg.seed)  # fmt: skip
+                                  t.pad_token_id, seed=cfg.seed, random_windows=True)  # fmt: skip
         self.unigram_loss = self._unigram_loss()
         log(f"data: {len(train_docs)} train / {len(val_docs)} validation documents, "
             f"{self.train_stream.num_tokens:,} / {self.val_stream.num_tokens:,} tokens; "

@@ -2,6 +2,7 @@
 
     val_loss     mean cross-entropy over fixed validation batches at the final training length
     mqar_acc     multi-query associative recall accuracy at the training length (answer tokens only)
+    mqar_acc_4x  the same at 4x the training length (4x the pairs and queries)
     needle_acc   needle retrieval accuracy at 4x the training length, depths 0.1 / 0.5 / 0.9: K3's claim that
                  NoPE MLA + KDA extrapolate beyond the trained length
 The per-layer expert loads and MaxVio come from the balancer's step metrics (the trainer adds them).
@@ -39,6 +40,9 @@ def evaluate(model, data, cfg, device) -> dict:
     if L >= 32:  # MQAR needs room for a few pairs and queries
         mq = mqar_batch(EVAL_ROWS, L, text, seed=12345)
         out["mqar_acc"] = answer_accuracy(_logits(model, mq, device).cpu(), mq)
+        # 4x the length with 4x the pairs and queries: recall beyond the trained length (NoPE MLA + KDA).
+        mq4 = mqar_batch(EVAL_ROWS // 4, 4 * L, text, seed=12346)
+        out["mqar_acc_4x"] = answer_accuracy(_logits(model, mq4, device).cpu(), mq4)
     accs = []
     for i, depth in enumerate((0.1, 0.5, 0.9)):
         nb = needle_batch(EVAL_ROWS // 4, 4 * L, text, seed=777 + i, depth=depth)

@@ -71,7 +71,8 @@ class Trainer:
         if cfg.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         self.optimizer = build_optimizer(self.model, cfg)
-        self.balancer = Balancer(self.model, cfg.balance, num_bins=cfg.balance_bins)
+        self.balancer = Balancer(self.model, cfg.balance, num_bins=cfg.balance_bins,
+                                 exact_thresholds=cfg.balance_exact_thresholds)  # fmt: skip
         self.step, self.nonfinite_total, self.nonfinite_run, self.tokens_seen = 0, 0, 0, 0
         if ckpt is not None:
             state = load_trainer_files(ckpt, self.optimizer)

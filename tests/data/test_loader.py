@@ -121,3 +121,30 @@ def test_tokenize_documents_cache_returns_the_same_tokens(tmp_path):
     tokenize_documents(docs, ByteTokenizer(512, BOS, EOS, 500), cache_dir=tmp_path, progress=False)
     tokenize_documents(docs[:2], tok, cache_dir=tmp_path, progress=False)
     assert len(list(tmp_path.iterdir())) == 3
+
+
+def test_random_windows_resume_exactly_and_spread_over_documents():
+    from openk3.data.corpus import Document
+    from openk3.data.loader import TokenLoader, tokenize_documents
+    from openk3.data.tokenizer import ByteTokenizer
+
+    import random
+    import string
+
+    docs = [Document("".join(random.Random(i).choices(string.ascii_letters, k=400)), f"d{i}") for i in range(30)]
+    stream = tokenize_documents(docs, ByteTokenizer(1024, 768, 770, 1023), progress=False)
+    make = lambda: TokenLoader(stream, 4, 32, 768, 770, 1023, seed=5, random_windows=True)  # noqa: E731
+    full = make()
+    batches = [next(full) for _ in range(6)]
+    part = make()
+    for _ in range(3):
+        next(part)
+    resumed = make()
+    resumed.load_state_dict(part.state_dict())
+    for want in batches[3:]:
+        got = next(resumed)
+        assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.labels, want.labels)
+        assert got.doc_lens == want.doc_lens
+    # Rows of one batch come from different places: more distinct documents than consecutive windows give.
+    first_tokens = {tuple(row[:8].tolist()) for b in batches for row in b.input_ids}
+    assert len(first_tokens) >= 20

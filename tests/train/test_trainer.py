@@ -232,3 +232,15 @@ def test_bpe_tokenizer_travels_with_the_checkpoint(corpus, tmp_path, capsys):
 
     tok = load_tokenizer(str(tmp_path / "tok"), K3Config.preset("tiny").text_config)
     assert tok.vocab_size == 1024 and tok.decode(tok.encode(text)) == text
+
+
+def test_recall_batches_fit_any_length():
+    """Evaluation runs recall at 4x the training length; the task sizes must fit the recall vocabulary there."""
+    from openk3.config import K3Config
+    from openk3.train.data import mqar_batch, needle_batch, recall_batch
+
+    text = K3Config.preset("tiny").text_config
+    for L in (16, 64, 256, 1024, 4096):
+        for make in (mqar_batch, needle_batch, recall_batch):
+            batch = make(2, L, text, seed=3)
+            assert batch.input_ids.shape == (2, L) and int(batch.answer_mask.sum()) > 0

@@ -110,7 +110,7 @@ def main() -> None:
 
 def _markdown(report: dict) -> str:
     m = report["machine"]
-    lines = [f"# Training targets (issue #4)\n", f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
+    lines = ["# Training targets (issue #4)\n", f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
              f"{m['threads']} threads, measured fp32 matmul {m['matmul_fp32_gflops']:.0f} GFLOP/s.\n",
              "| run | steps | wall s | tokens/s | MFU | final val loss | unigram | below unigram at | MaxVio last 20 | floor | q̄ | MQAR acc | MQAR acc (4x) | needle acc (4x) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip

@@ -28,7 +28,7 @@ from openk3.model.batch import ForwardBatch
 from openk3.model.cache import K3Cache
 from openk3.model.hf import load_pretrained, save_pretrained
 from openk3.model.kda import KimiDeltaAttention
-from openk3.model.layers import DenseMLP, RMSNorm, ShortConvolution
+from openk3.model.layers import DenseMLP, RMSNorm
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import StableLatentMoE
 from openk3.ops.attnres import attn_res_mix

@@ -76,12 +76,13 @@ def mqar(
 def needle(
     batch_size: int, seq_len: int, depth: float, token_range: tuple[int, int], bos_id: int, sep_id: int,
     key_len: int = 4, value_len: int = 4, seed: int = 0, filler: torch.Tensor | None = None,
-    answers_only: bool = True,
+    answers_only: bool = True, kv_range: tuple[int, int] | None = None,
 ) -> PackedBatch:  # fmt: skip
     """`[bos] hay[:p] key value hay[p:] [sep] key value` with p = round(depth * len(hay)): `depth` 0.0 puts the needle
     right after bos, 1.0 right before sep. The hay fills the row: len(hay) = seq_len - 1 - 2 * (key_len + value_len).
     `filler` (1-D token ids, e.g. a tokenized validation text) gives real-text hay as random contiguous spans;
-    otherwise the hay is uniform random tokens from `token_range`."""
+    otherwise the hay is uniform random tokens from `token_range`. `kv_range` (default `token_range`) draws the key
+    and value from separate ids, so the key cannot also occur in the hay."""
     N = seq_len + 1
     hay_len = N - 2 - 2 * (key_len + value_len)
     if hay_len < 0:
@@ -100,7 +101,8 @@ def needle(
         else:
             start = int(torch.randint(0, len(filler) - hay_len + 1, (1,), generator=g))
             hay = filler[start : start + hay_len].long()
-        kv = torch.randint(lo, hi, (key_len + value_len,), generator=g)
+        kv_lo, kv_hi = kv_range if kv_range is not None else (lo, hi)
+        kv = torch.randint(kv_lo, kv_hi, (key_len + value_len,), generator=g)
         bos, sep = torch.tensor([bos_id]), torch.tensor([sep_id])
         rows.append(torch.cat([bos, hay[:p], kv, hay[p:], sep, kv]))
         answer = torch.zeros(N, dtype=torch.bool)

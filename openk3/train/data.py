@@ -62,10 +62,11 @@ def mqar_batch(rows: int, seq_len: int, text, seed: int) -> PackedBatch:
 def needle_batch(rows: int, seq_len: int, text, seed: int, depth: float | None = None) -> PackedBatch:
     if depth is None:  # training: a random depth per batch
         depth = float(torch.rand((), generator=torch.Generator().manual_seed(seed + 7)))
-    vocab = (0, min(RECALL_VOCAB, text.bos_token_id))
-    # A 2-token key (4096 combinations) is unique in a random-token haystack; the 2-token value is the answer.
-    return needle(rows, seq_len, depth, vocab, text.bos_token_id, text.bos_token_id + 3, key_len=2, value_len=2,
-                  seed=seed)  # fmt: skip
+    half = min(RECALL_VOCAB, text.bos_token_id) // 2
+    # Hay from the first half of the recall ids, the 2-token key and 2-token value from the second half: the key
+    # occurs exactly twice (needle and query), so retrieval is well defined at any haystack length.
+    return needle(rows, seq_len, depth, (0, half), text.bos_token_id, text.bos_token_id + 3, key_len=2, value_len=2,
+                  seed=seed, kv_range=(half, 2 * half))  # fmt: skip
 
 
 def copy_batch(rows: int, seq_len: int, text, seed: int) -> PackedBatch:

@@ -85,3 +85,15 @@ def test_answer_accuracy_scores_only_answers():
     logits[0, 7] = 0
     logits[0, 7, 5] = 1.0
     assert answer_accuracy(logits, batch) == pytest.approx(11 / 12)
+
+
+def test_needle_kv_range_keeps_the_key_out_of_the_hay():
+    from openk3.data.synthetic import needle
+
+    batch = needle(4, 128, 0.5, (0, 32), 768, 771, key_len=2, value_len=2, seed=1, kv_range=(32, 64))
+    for row, labels, mask in zip(batch.input_ids, batch.labels, batch.answer_mask):
+        hay = row[(row < 32)]
+        assert len(hay) == 119  # 128 inputs: bos, 119 hay, needle key+value (4), sep, query key (2), first value
+        kv = row[(row >= 32) & (row < 64)]
+        assert len(kv) == 4 + 2 + 1
+        assert torch.equal(labels[mask], kv[2:4])  # the answers are the needle's value

@@ -14,7 +14,7 @@ LOGITS = os.path.join(FIXTURES, "k3-official-tiny-logits.safetensors")
 
 
 @pytest.fixture
-def pinned_threads():
+def one_thread():
     """Pin the BLAS thread count for bitwise comparisons (CPU results can depend on it)."""
     old = torch.get_num_threads()
     torch.set_num_threads(1)

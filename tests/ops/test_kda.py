@@ -62,14 +62,6 @@ def random_op_inputs(B, T, H=2, K=32, V=16, seed=0, dtype=torch.float32):
     return op_inputs(make_raw(B, T, H, K, V, seed, dtype), make_params(B, H, K, V, seed + 1, dtype))
 
 
-@pytest.fixture
-def one_thread():
-    """CPU BLAS and reductions may split work by thread count; bitwise tests pin it."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 # 1. Gate
 

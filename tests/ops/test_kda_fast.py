@@ -30,13 +30,6 @@ def inputs(B, T, H=2, K=16, V=8, seed=0, dtype=torch.float32, g_value=None):
     return q, k, randn(B, T, H, V), g, torch.sigmoid(randn(B, T, H))
 
 
-@pytest.fixture
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 @pytest.mark.parametrize("T", RAGGED)
 def test_fast_matches_tile_reference_and_recurrent(T):

@@ -32,13 +32,8 @@ FIG5_SCORES = [
 ]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Bitwise comparisons (and speed on a shared 2-core box) need a fixed BLAS thread count.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+# Bitwise comparisons (and speed on a shared 2-core box) need a fixed BLAS thread count (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def synthetic_scores(m, n, sigma_e=0.5, seed=0, dtype=torch.float32):

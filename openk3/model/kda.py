@@ -56,16 +56,8 @@ class KimiDeltaAttention(nn.Module):
 
     def _conv(self, x_TP: torch.Tensor, conv: ShortConvolution, tail: torch.Tensor | None, batch: ForwardBatch):
         """Conv over each sequence (restarting at its start or continuing from its cached tail)."""
-        x_NLP = batch.to_padded(x_TP)
-        W = conv.weight.shape[-1]
-        if tail is None:
-            tail = x_NLP.new_zeros(x_NLP.shape[0], W - 1, x_NLP.shape[-1])
-        y_NLP, _ = short_conv(x_NLP, conv.weight, tail)
-        # The new tail is the last W-1 real inputs of [old tail; new tokens]: padding sits after each sequence.
-        full = torch.cat([tail.to(x_NLP.dtype), x_NLP], dim=1)
-        lens = torch.tensor(batch.seq_lens, device=x_TP.device)
-        idx = lens[:, None] + torch.arange(W - 1, device=x_TP.device)[None, :]
-        new_tail = full.gather(1, idx[:, :, None].expand(-1, -1, full.shape[-1]))
+        lengths_N = torch.tensor(batch.seq_lens, device=x_TP.device)
+        y_NLP, new_tail = short_conv(batch.to_padded(x_TP), conv.weight, tail, lengths_N)
         return batch.to_packed(y_NLP), new_tail
 
     @staticmethod

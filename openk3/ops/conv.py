@@ -19,12 +19,18 @@ from openk3.utils import fp32_op
 
 @fp32_op
 def short_conv(
-    x_NTC: torch.Tensor, weight_C1W: torch.Tensor, tail_NWC: torch.Tensor | None = None
+    x_NTC: torch.Tensor,
+    weight_C1W: torch.Tensor,
+    tail_NWC: torch.Tensor | None = None,
+    lengths_N: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal depthwise conv + SiLU over a batch of equal-length sequences.
+    """Causal depthwise conv + SiLU over a batch of sequences.
 
     `tail_NWC` holds the last W-1 *pre-conv* inputs of each sequence's earlier tokens ([N, W-1, C]; None = zeros).
-    Returns (y [N, T, C] in x's dtype, new tail [N, W-1, C] in x's dtype) so a later call continues exactly.
+    `lengths_N` marks right-padded rows: sequence n's real tokens are its first lengths_N[n] (None = all T). The
+    outputs of real tokens never see the padding after them (the conv is causal).
+    Returns (y [N, T, C] in x's dtype, new tail [N, W-1, C] in x's dtype: the last W-1 real inputs of
+    [old tail; x]) so a later call continues exactly.
     """
     N, T, C = x_NTC.shape
     W = weight_C1W.shape[-1]
@@ -35,7 +41,10 @@ def short_conv(
     full_NSC = torch.cat([tail_NWC.to(x_NTC.dtype), x_NTC], dim=1)  # S = W-1 + T
     y = F.conv1d(full_NSC.float().transpose(1, 2), weight_C1W.float(), groups=C)  # [N, C, T]
     y = F.silu(y).transpose(1, 2).to(x_NTC.dtype)
-    return y, full_NSC[:, -(W - 1) :].clone()
+    if lengths_N is None:
+        return y, full_NSC[:, -(W - 1) :].clone()
+    idx_NW = lengths_N[:, None] + torch.arange(W - 1, device=x_NTC.device)[None, :]
+    return y, full_NSC.gather(1, idx_NW[:, :, None].expand(-1, -1, C))
 
 
 def short_conv_ref(x_TC: torch.Tensor, weight_C1W: torch.Tensor) -> torch.Tensor:

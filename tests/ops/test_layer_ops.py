@@ -157,3 +157,15 @@ def test_fp32_ops_ignore_autocast():
                 causal_attention(q, k, v, 0.3))  # fmt: skip
     for a, b in zip(plain, auto):
         assert b.dtype == torch.float32 and torch.equal(a, b)
+
+
+def test_short_conv_tail_of_right_padded_rows():
+    """A right-padded row gives the same outputs and the same carried tail as the unpadded sequence."""
+    w = torch.randn(6, 1, 4)
+    tail = torch.randn(2, 3, 6)
+    for n in (0, 1, 2, 5):
+        x = torch.randn(1, n, 6)
+        padded = torch.cat([x, torch.randn(1, 7 - n, 6)], dim=1)  # garbage after the sequence
+        y, t = short_conv(x, w, tail[:1])
+        y_pad, t_pad = short_conv(padded, w, tail[:1], torch.tensor([n]))
+        assert torch.allclose(y_pad[:, :n], y, atol=1e-6) and torch.equal(t_pad, t)

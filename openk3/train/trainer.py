@@ -16,6 +16,7 @@ checkpoint, so `--steps 2N` in one go equals `--stop-after N` followed by `--res
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from contextlib import nullcontext
@@ -118,7 +119,7 @@ class Trainer:
             loss.backward()
             total += loss.item()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
-        finite = torch.isfinite(torch.tensor([total, grad_norm])).all().item()
+        finite = math.isfinite(total) and math.isfinite(grad_norm)
         row = {"step": step + 1, "loss": total, "lr": lr, "seq_len": seq_len, "grad_norm": grad_norm}
         if finite:
             bal = self.balancer.step()

@@ -8,6 +8,7 @@
     k3 plot RUN_DIR                                      PNG plots of a run's metrics
     k3 export --ckpt DIR --out DIR                       a checkpoint in the release dtypes (bf16 + fp32 extras)
     k3 tokenizer train --out DIR [--data PATH]           a byte-level BPE for a preset's vocabulary
+    k3 plan (--ckpt DIR | --preset NAME) [...]           hybrid-cache bytes per token and request vs all-MLA
     k3 bench kda [...]                                   benchmarks (`k3 bench kda --help`)
 """
 
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
 import torch
 
 from openk3.config import PRESETS, K3Config
-from openk3.data.tokenizer import ByteTokenizer, load_tokenizer
+from openk3.data.tokenizer import load_tokenizer
 from openk3.model.model import K3ForCausalLM
 from openk3.utils import to_dtype
 
@@ -51,23 +53,54 @@ def cmd_init(args) -> int:
 
 
 def _generate(model: K3ForCausalLM, prompt: str, args, ckpt: str | None = None) -> str:
-    text = model.text_config
-    tok = load_tokenizer(ckpt, text)  # the checkpoint's tokenizer, else the byte-level fallback
-    ids = torch.tensor([tok.encode(prompt, add_bos=not isinstance(tok, ByteTokenizer))], dtype=torch.long)
-    if ids.shape[1] == 0:
-        raise ValueError("the prompt is empty")
-    start = time.perf_counter()
-    out = model.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, eos_token_id=text.eos_token_id, seed=args.seed)  # fmt: skip
-    new = out[0, ids.shape[1] :].tolist()
+    """Continue `prompt` with the serving engine, streaming the text to stdout as it is produced."""
+    from openk3.serve.config import ServeConfig
+    from openk3.serve.engine import LLMEngine
+    from openk3.serve.request import SamplingParams
+
+    tok = load_tokenizer(ckpt, model.text_config)  # the checkpoint's tokenizer, else the byte-level fallback
+    spec = None
+    if args.speculative:
+        spec = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+        if args.speculative == "draft_model":
+            spec["model"] = args.draft_ckpt
+    engine = LLMEngine(model, tok, ServeConfig.from_options(speculative_config=spec))
+    params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)  # fmt: skip
+    engine.add_request(prompt, params, request_id="cli")
+    start, shown, text, n = time.perf_counter(), 0, "", 0
+    print(prompt, end="", flush=True)
+    while engine.has_unfinished():
+        for out in engine.step():
+            text = out.outputs[0].text
+            print(text[shown:], end="", flush=True)
+            shown = len(text)
+            n = len(out.outputs[0].token_ids)
+    print()
     elapsed = time.perf_counter() - start
-    print(f"[{len(new)} tokens in {elapsed:.2f}s, {len(new) / max(elapsed, 1e-9):.1f} tok/s]", file=sys.stderr)
-    return tok.decode(new)
+    extra = ""
+    if spec:
+        extra = f", speculative acceptance {engine.spec_stats.acceptance_rate:.0%}"
+    print(f"[{n} tokens in {elapsed:.2f}s, {n / max(elapsed, 1e-9):.1f} tok/s{extra}]", file=sys.stderr)
+    return text
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint folder, or a training run folder (its latest checkpoint)."""
+    from openk3.train.checkpoint import latest_checkpoint
+
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise FileNotFoundError(f"training run {path} has no finished checkpoint yet")
+        return latest
+    return path
 
 
 def cmd_generate(args) -> int:
-    model = K3ForCausalLM.from_pretrained(args.ckpt, dtype=to_dtype(args.dtype)).eval()
-    print(args.prompt + _generate(model, args.prompt, args, args.ckpt))
+    ckpt = resolve_checkpoint(args.ckpt)
+    model = K3ForCausalLM.from_pretrained(ckpt, dtype=to_dtype(args.dtype)).eval()
+    _generate(model, args.prompt, args, ckpt)
     return 0
 
 
@@ -92,7 +125,7 @@ def cmd_demo(args) -> int:
     cmd_init(args)
     model = K3ForCausalLM.from_pretrained(args.out).eval()
     print("reloaded; sample (random weights, so expect noise):")
-    print(repr(args.prompt + _generate(model, args.prompt, args)))
+    _generate(model, args.prompt, args)
     return 0
 
 
@@ -200,7 +233,16 @@ def cmd_tokenizer_train(args) -> int:
     return 0
 
 
-BENCHMARKS = {"kda": "openk3.bench.kda"}
+BENCHMARKS = {"kda": "openk3.bench.kda", "serve": "openk3.bench.serve"}
+
+
+def cmd_plan(args) -> int:
+    from openk3.serve.plan import cache_plan, format_plan
+
+    config = K3Config.from_pretrained(args.ckpt) if args.ckpt else K3Config.preset(args.preset)
+    plan = cache_plan(config.text_config, act_bytes={"bf16": 2, "fp32": 4}[args.dtype], tp=args.tp)
+    print(format_plan(plan, args.context, args.batch))
+    return 0
 
 
 def cmd_bench(args) -> int:
@@ -216,6 +258,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative", choices=["ngram", "draft_model"], help="speculative decoding proposer")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--draft-ckpt", help="the draft model's checkpoint (with --speculative draft_model)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -278,7 +323,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True)
     t.set_defaults(func=cmd_tokenizer_train)
 
-    p = sub.add_parser("bench", help="benchmarks: kda")
+    p = sub.add_parser("plan", help="hybrid-cache memory per token and per request, crossover vs all-MLA")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--ckpt")
+    g.add_argument("--preset", choices=sorted(PRESETS))
+    p.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 8192, 32768, 131072],
+                   help="context lengths per request, in tokens")  # fmt: skip
+    p.add_argument("--batch", type=int, default=1, help="concurrent requests")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (KDA state shards, MLA latent does not)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="activation dtype of latent and conv")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("bench", help="benchmarks: kda, serve")
     p.add_argument("which", choices=sorted(BENCHMARKS))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     p.set_defaults(func=cmd_bench)

@@ -50,7 +50,11 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 @contextlib.contextmanager
 def fp32_region():
     """Turn autocast off (CPU and CUDA) inside ops whose numerics the release fixes in fp32: under autocast a matmul
-    or conv would otherwise run in bf16 even on fp32 inputs (router, AttnRes mix, KDA, short conv, attention)."""
+    or conv would otherwise run in bf16 even on fp32 inputs (router, AttnRes mix, KDA, short conv, attention).
+    Outside autocast there is nothing to turn off, and skipping the two context managers matters in decode loops."""
+    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+        yield
+        return
     with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
         yield
 

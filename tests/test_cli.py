@@ -41,6 +41,11 @@ def test_generate_and_info(tmp_path, capsys):
     assert main(["generate", "--ckpt", str(tmp_path), "--prompt", "def f(x):", "--max-new-tokens", "5"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("def f(x):")
+    # Speculative decoding through the engine gives the same greedy text.
+    assert main(["generate", "--ckpt", str(tmp_path), "--prompt", "def f(x):", "--max-new-tokens", "5",
+                 "--speculative", "draft_model", "--draft-ckpt", str(tmp_path)]) == 0  # fmt: skip
+    captured = capsys.readouterr()
+    assert captured.out == out and "acceptance" in captured.err
     assert main(["info", "--preset", "k3"]) == 0
     out = capsys.readouterr().out
     assert "2,779,484,476,000" in out and "104,189,612,640" in out

@@ -103,17 +103,22 @@ def main(argv: list[str] | None = None) -> int:
     result["targets"] = evaluate_targets(cells, result)
     result["machine"]["load_after"] = load_info()
     print_table(cells)
+    write_results(result, args.out, markdown(result))
+    return 0
+
+
+def write_results(result: dict, out: str, report_md: str) -> None:
+    """Print each target's verdict, then write the JSON at `out` and the markdown report beside it."""
     for t in result["targets"]:
         verdict = "met" if t["met"] else "NOT met" if t["met"] is False else "n/a"
         print(f"target: {t['target']}: {t['measured']} -> {verdict}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    md_path = os.path.splitext(args.out)[0] + ".md"
+    md_path = os.path.splitext(out)[0] + ".md"
     with open(md_path, "w") as f:
-        f.write(markdown(result))
-    print(f"wrote {args.out} and {md_path}")
-    return 0
+        f.write(report_md)
+    print(f"wrote {out} and {md_path}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

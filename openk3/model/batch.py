@@ -24,6 +24,10 @@ class ForwardBatch:
     # Training packs documents into rows of `row_len` tokens; attention can then run per row with a document mask
     # instead of per document. None: sequences are not grouped into rows.
     row_len: int | None = None
+    # Speculative verification (serving): every sequence holds its last accepted token plus its drafts. KDA layers
+    # then run the decode step token by token on a register copy of the state, record each step's inputs through
+    # the cache (`record`) and write no state; the engine folds the accepted prefix afterwards (spec/serving.md §4).
+    verify: bool = False
     seq_lens: list[int] = field(init=False)
     max_len: int = field(init=False)
     uniform: bool = field(init=False)
@@ -36,11 +40,16 @@ class ForwardBatch:
 
     @classmethod
     def from_lengths(
-        cls, input_ids_T: torch.Tensor, seq_lens: list[int], cache: Any = None, row_len: int | None = None
+        cls,
+        input_ids_T: torch.Tensor,
+        seq_lens: list[int],
+        cache: Any = None,
+        row_len: int | None = None,
+        verify: bool = False,
     ) -> ForwardBatch:
         cu = torch.zeros(len(seq_lens) + 1, dtype=torch.long)
         cu[1:] = torch.tensor(seq_lens, dtype=torch.long).cumsum(0)
-        return cls(input_ids_T, cu, cache, row_len)
+        return cls(input_ids_T, cu, cache, row_len, verify)
 
     @classmethod
     def from_rows(cls, input_ids_RL: torch.Tensor, doc_lens: list[list[int]]) -> ForwardBatch:

@@ -5,6 +5,11 @@ fp32 recurrent state S [H, K, V] (K-first: rows are key channels). Per MLA layer
 per token of the release, i.e. the normalised c_kv (kv_lora_rank) followed by the raw k_pe (qk_rope_head_dim), never
 the expanded per-head keys and values (spec/model.md §6). AttnRes, the FFNs and the router keep no state.
 
+The layers use each entry only through a small interface, which the serving engine's paged views
+(serve/kv/views.py) implement over block pools and state slots:
+    KDA entry: load() -> (tails, state); store(tails, state); record(step) (verify passes only, serving)
+    MLA entry: past(i) -> [S_i, R] latents cached before this call; append(i, latents_TR)
+
 Legend: N sequences, W conv width, P = H*K projected width, H heads, K/V head dims, S cached tokens, R latent width.
 """
 
@@ -22,10 +27,38 @@ class KDAState:
     conv_v_NWP: torch.Tensor
     recurrent_NHKV: torch.Tensor  # [N, H, K, V] fp32 always
 
+    def load(self) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        return (self.conv_q_NWP, self.conv_k_NWP, self.conv_v_NWP), self.recurrent_NHKV
+
+    def store(self, tails: tuple[torch.Tensor, torch.Tensor, torch.Tensor], state_NHKV: torch.Tensor) -> None:
+        self.conv_q_NWP, self.conv_k_NWP, self.conv_v_NWP = tails
+        self.recurrent_NHKV = state_NHKV
+
+
+@dataclass
+class VerifyStep:
+    """What one verify position fed the KDA state update, recorded so the accepted prefix can be folded onto the
+    slot later with the same arithmetic (spec/serving.md §4.3): q^, k^ fp32 [N, H, K], v [N, H, V], the gate g
+    fp32 [N, H, K] and beta fp32 [N, H] after their activations, and the pre-conv q, k, v rows [N, P] that roll the
+    conv tails. Never recompute these in the fold (spec §4.4)."""
+
+    q_NHK: torch.Tensor
+    k_NHK: torch.Tensor
+    v_NHV: torch.Tensor
+    g_NHK: torch.Tensor
+    beta_NH: torch.Tensor
+    pre_conv_NP: list[torch.Tensor]
+
 
 @dataclass
 class MLACache:
     latents: list[torch.Tensor] = field(default_factory=list)  # per sequence [S_i, R], R = kv_lora_rank + rope dim
+
+    def past(self, i: int) -> torch.Tensor:
+        return self.latents[i]
+
+    def append(self, i: int, latents_TR: torch.Tensor) -> None:
+        self.latents[i] = torch.cat([self.latents[i], latents_TR], dim=0)
 
 
 class K3Cache:

@@ -7,8 +7,8 @@
     out  = o_proj( flatten(softmax(q k^T * (nope + rope)^-0.5, causal) v) * sigmoid(g_proj(x)) )
 
 No rotary is applied anywhere: the "rope" dims are ordinary unrotated dims. The cache keeps the latent [c_n ; k_pe]
-per token (model/cache.py); this reference expands it with kv_b_proj on every call (the absorbed form belongs to
-the serving engine).
+per token (model/cache.py). Prefill and training expand the latents with kv_b_proj; a decode step (one new token per
+sequence on a cache) uses the absorbed form, whose cost does not include expanding every cached latent.
 
 Legend: T packed tokens, N sequences, L padded length, S cached + new tokens, H heads, R = kv_lora_rank + rope,
 Dqk = nope + rope, Dv value head dim, D hidden.
@@ -24,6 +24,7 @@ from openk3.model.batch import ForwardBatch
 from openk3.model.cache import MLACache
 from openk3.model.layers import RMSNorm
 from openk3.ops.attention.ref import causal_attention
+from openk3.utils import fp32_op
 
 # q_a_layernorm and kv_a_layernorm are built without an eps argument in the released code (class default 1e-6).
 MLA_LORA_NORM_EPS = 1e-6
@@ -59,6 +60,21 @@ class GatedMLA(nn.Module):
         k_pe = k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope)
         return torch.cat([k_nope, k_pe], dim=-1), v
 
+    @fp32_op
+    def _decode_absorbed(self, q_HD: torch.Tensor, cache, i: int, new_1R: torch.Tensor) -> torch.Tensor:
+        """One decode token of sequence i in the absorbed form (spec/serving.md §1.1): the query moves into latent
+        space once, q_lat = W_uk^T q_nope, so the cached latents are never expanded to per-head keys and values.
+        Both passes over the cache are single GEMMs on the contiguous [S, R] latents (scores against [q_lat; q_pe],
+        then p @ latents, keeping the c_n columns), so a step costs two reads of the cache. fp32 math, [1, H, Dv]."""
+        cache.append(i, new_1R)
+        latent_SR = cache.past(i).float()
+        w_HXR = self.kv_b_proj.weight.float().view(self.num_heads, self.nope + self.v_dim, self.kv_rank)
+        q_nope_H, q_pe_H = q_HD.float().split([self.nope, self.rope], dim=-1)
+        q_lat_HR = torch.einsum("hn,hnr->hr", q_nope_H, w_HXR[:, : self.nope])
+        scores_SH = latent_SR @ (torch.cat([q_lat_HR, q_pe_H], dim=-1).T * self.scale)
+        o_lat_HR = (torch.softmax(scores_SH.T, dim=-1) @ latent_SR)[:, : self.kv_rank]
+        return torch.einsum("hr,hvr->hv", o_lat_HR, w_HXR[:, self.nope :]).to(q_HD.dtype)[None]
+
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: MLACache | None = None) -> torch.Tensor:
         T = x_TD.shape[0]
         q_THD = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD))).view(T, self.num_heads, self.nope + self.rope)
@@ -74,13 +90,15 @@ class GatedMLA(nn.Module):
             k, v = self.expand(latent_TR.view(-1, L, latent_TR.shape[-1]))
             attn = causal_attention(q_THD.view(-1, L, *q_THD.shape[1:]), k, v, self.scale, batch.segment_ids(x_TD.device))
             attn_THV = attn.reshape(T, *attn.shape[2:])
+        elif batch.is_decode:
+            attn_THV = torch.cat([self._decode_absorbed(q_THD[i], cache, i, latent_TR[i : i + 1]) for i in range(T)])
         else:
             outs = []
             for i, (start, end) in enumerate(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())):
                 full_SR = latent_TR[start:end]
                 if cache is not None:
-                    full_SR = torch.cat([cache.latents[i], full_SR], dim=0)
-                    cache.latents[i] = full_SR
+                    full_SR = torch.cat([cache.past(i), full_SR], dim=0)
+                    cache.append(i, latent_TR[start:end])
                 k, v = self.expand(full_SR)
                 outs.append(causal_attention(q_THD[start:end], k, v, self.scale))
             attn_THV = torch.cat(outs, dim=0)

@@ -19,7 +19,7 @@ Legend: T tokens, D hidden, E experts, k experts per token, Lt latent width, F e
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -53,7 +53,15 @@ class GroupedExperts(nn.Module):
 
 def local_dispatch(z_TL: torch.Tensor, idx_Tk: torch.Tensor, w_Tk: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
     """Group tokens by expert, run each expert once on its rows, then add each token's k weighted outputs in fp32,
-    in ascending expert id (the order `route_topk` returns)."""
+    in ascending expert id (the order `route_topk` returns). With fewer (token, expert) pairs than experts (decode,
+    speculative verify) each pair instead gets its expert's weights gathered and all pairs run as one batched
+    matmul: a handful of ops instead of a few per touched expert. The two agree to rounding (tested)."""
+    if idx_Tk.numel() < experts.w1.shape[0]:
+        return gathered_dispatch(z_TL, idx_Tk, w_Tk, experts)
+    return grouped_dispatch(z_TL, idx_Tk, w_Tk, experts)
+
+
+def grouped_dispatch(z_TL, idx_Tk, w_Tk, experts: GroupedExperts) -> torch.Tensor:
     T, k = idx_Tk.shape
     flat = idx_Tk.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
@@ -66,6 +74,20 @@ def local_dispatch(z_TL: torch.Tensor, idx_Tk: torch.Tensor, w_Tk: torch.Tensor,
             start += n
     out_sorted = torch.cat(outs) if outs else z_TL.new_zeros(0, z_TL.shape[-1])
     out_TkL = out_sorted[torch.argsort(order)].view(T, k, -1).float() * w_Tk.unsqueeze(-1)
+    y_TL = out_TkL[:, 0]
+    for j in range(1, k):
+        y_TL = y_TL + out_TkL[:, j]
+    return y_TL.to(z_TL.dtype)
+
+
+def gathered_dispatch(z_TL, idx_Tk, w_Tk, experts: GroupedExperts) -> torch.Tensor:
+    T, k = idx_Tk.shape
+    flat = idx_Tk.reshape(-1)  # P = T*k pairs
+    z_P1L = z_TL.repeat_interleave(k, dim=0)[:, None]
+    a = z_P1L @ experts.w1[flat].transpose(1, 2)  # [P, 1, F]
+    b = z_P1L @ experts.w3[flat].transpose(1, 2)
+    h = situ_glu(a, b, experts.beta, experts.linear_beta)
+    out_TkL = (h @ experts.w2[flat].transpose(1, 2)).view(T, k, -1).float() * w_Tk.unsqueeze(-1)
     y_TL = out_TkL[:, 0]
     for j in range(1, k):
         y_TL = y_TL + out_TkL[:, j]

@@ -47,6 +47,19 @@ def short_conv(
     return y, full_NSC.gather(1, idx_NW[:, :, None].expand(-1, -1, C))
 
 
+@fp32_op
+def short_conv_few(x_NTC: torch.Tensor, weight_C1W: torch.Tensor, tail_NWC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`short_conv` for a few tokens per sequence (a decode step, a speculative verify), every row real, written as
+    a multiply-add over the W taps instead of a conv1d launch: the decode loop runs it three times per KDA layer per
+    token, where conv1d's fixed cost dominates. Same fp32 math; agrees with `short_conv` to rounding (tested).
+    Returns (y [N, T, C] in x's dtype, new tail [N, W-1, C])."""
+    W = weight_C1W.shape[-1]
+    full_NSC = torch.cat([tail_NWC.to(x_NTC.dtype), x_NTC], dim=1)  # S = W-1 + T
+    windows_NTCW = full_NSC.float().unfold(1, W, 1)
+    y_NTC = F.silu((windows_NTCW * weight_C1W[:, 0].float()).sum(-1)).to(x_NTC.dtype)
+    return y_NTC, full_NSC[:, -(W - 1) :]
+
+
 def short_conv_ref(x_TC: torch.Tensor, weight_C1W: torch.Tensor) -> torch.Tensor:
     """Token-loop reference for one sequence from a zero tail (the formula above, read literally)."""
     T, C = x_TC.shape

@@ -261,3 +261,16 @@ def test_packed_documents_match_each_document_alone(tiny):
                 start += n
     with pytest.raises(ValueError, match="sum to the row length"):
         ForwardBatch.from_rows(ids, [[10, 20], [40], [40]])
+
+
+@pytest.mark.parametrize("T", [1, 3, 7])
+def test_gathered_and_grouped_expert_dispatch_agree(tiny, T):
+    from openk3.model.moe import gathered_dispatch, grouped_dispatch
+
+    moe = next(layer.block_sparse_moe for layer in tiny.model.layers if hasattr(layer, "block_sparse_moe"))
+    gen = torch.Generator().manual_seed(T)
+    z = torch.randn(T, moe.experts.w1.shape[-1], generator=gen)
+    idx = torch.stack([torch.randperm(moe.experts.w1.shape[0], generator=gen)[:2].sort().values for _ in range(T)])
+    w = torch.rand(T, 2, generator=gen)
+    with torch.no_grad():
+        assert rel_rms(gathered_dispatch(z, idx, w, moe.experts), grouped_dispatch(z, idx, w, moe.experts)) <= 1e-6

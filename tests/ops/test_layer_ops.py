@@ -9,9 +9,20 @@ import pytest
 import torch
 
 from openk3.ops import (
-    attn_res_mix, causal_attention, causal_attention_ref, gated_rms_norm, l2_norm, rms_norm, route_topk,
-    router_scores, sample, short_conv, short_conv_ref, situ_glu,
+    attn_res_mix,
+    causal_attention,
+    causal_attention_ref,
+    gated_rms_norm,
+    l2_norm,
+    rms_norm,
+    route_topk,
+    router_scores,
+    sample,
+    short_conv,
+    short_conv_ref,
+    situ_glu,
 )  # fmt: skip
+from openk3.ops.conv import short_conv_few
 from openk3.utils import rel_rms
 
 
@@ -169,3 +180,17 @@ def test_short_conv_tail_of_right_padded_rows():
         y, t = short_conv(x, w, tail[:1])
         y_pad, t_pad = short_conv(padded, w, tail[:1], torch.tensor([n]))
         assert torch.allclose(y_pad[:, :n], y, atol=1e-6) and torch.equal(t_pad, t)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_conv_few_matches_short_conv(dtype, T):
+    gen = torch.Generator().manual_seed(11)
+    N, C, W = 5, 24, 4
+    w = torch.randn(C, 1, W, generator=gen)
+    tail = torch.randn(N, W - 1, C, generator=gen).to(dtype)
+    x = (3 * torch.randn(N, T, C, generator=gen)).to(dtype)
+    y_ref, tail_ref = short_conv(x, w, tail)
+    y, new_tail = short_conv_few(x, w, tail)
+    assert torch.equal(new_tail, tail_ref)
+    assert rel_rms(y.float(), y_ref.float()) <= (1e-6 if dtype == torch.float32 else 1e-2)

@@ -1,0 +1,134 @@
+"""ServeConfig: every engine option in one dataclass, with vLLM's names where vLLM has one (spec/serving.md §2-§4).
+
+Units (tokens): the hash unit U (prefix matching granularity, default 512) and the allocation unit B (one MLA page,
+a multiple of U; K3 uses 1024-6144 on GPUs, spec §1.3). Budgets: `max_num_batched_tokens` per engine step (chunked
+prefill and decode share it), `max_num_seqs` running requests (= KDA working slots), `num_blocks` MLA pages and
+`max_num_checkpoints` KDA state checkpoints. Derived defaults are filled in one place, `resolve`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class CheckpointPolicy:
+    """Which hash endpoints get a KDA state checkpoint (spec §2.3). Positions are unit boundaries."""
+
+    prompt_end: bool = True  # the last unit boundary <= len(prompt) - 1
+    interval: int = 32768  # tokens between checkpoints during long prefills (a multiple of U; 0 = off)
+    second_sighting: bool = True  # latents matched deeper than any checkpoint: plant one at the matched depth
+
+
+@dataclass
+class SpeculativeConfig:
+    """`{"method": "ngram" | "draft_model", "num_speculative_tokens": k, ...}` as in vLLM."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4  # n-gram lengths tried, longest first (vLLM's names)
+    prompt_lookup_min: int = 2
+    model: Any = None  # draft_model: a checkpoint folder or a K3ForCausalLM sharing the target's vocabulary
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative_config.model is required for method 'draft_model'")
+
+
+@dataclass
+class ServeConfig:
+    max_model_len: int | None = None  # default: the model's max_position_embeddings, at most 32768
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True  # on by default (spec §6: users must not have to know to enable it)
+    hash_unit: int = 512
+    block_size: int = 1024  # the allocation unit B
+    num_blocks: int | None = None  # default: every running request at max_model_len, within `cache_memory_bytes`
+    cache_memory_bytes: int = 2**30  # the MLA page budget used to size the default num_blocks
+    max_num_checkpoints: int | None = None  # default: 2 per running request
+    checkpoint_policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
+    speculative_config: SpeculativeConfig | None = None
+    # Fill freed state slots and freed pages with NaN so any read of unwritten memory poisons the logits
+    # (spec §7 #3). Costs one fill per free; on by default because silent corruption is the worse failure.
+    poison_free: bool = True
+    seed: int = 0
+
+    @classmethod
+    def from_options(cls, **options: Any) -> ServeConfig:
+        """Engine options as keyword arguments (vLLM's `LLM(model, **options)`); unknown names are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        if isinstance(options.get("speculative_config"), dict):
+            options["speculative_config"] = SpeculativeConfig(**options["speculative_config"])
+        if isinstance(options.get("checkpoint_policy"), dict):
+            options["checkpoint_policy"] = CheckpointPolicy(**options["checkpoint_policy"])
+        return cls(**options)
+
+    def resolve(self, model_max_len: int, page_bytes: int) -> ServeConfig:
+        """Check the options and fill the derived defaults; warns when prefix caching is configured to be inert.
+        `page_bytes`: one MLA page (block_size tokens, every MLA layer)."""
+        if self.max_model_len is None:
+            self.max_model_len = min(model_max_len, 32768)
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "hash_unit", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.block_size % self.hash_unit:
+            raise ValueError(f"block_size {self.block_size} must be a multiple of hash_unit {self.hash_unit}")
+        interval = self.checkpoint_policy.interval
+        if interval < 0 or interval % self.hash_unit:
+            raise ValueError(f"checkpoint_policy.interval {interval} must be a non-negative multiple of hash_unit")
+        # One request at max_model_len (plus drafts), plus the copy-on-write pins of a prefix hit.
+        blocks_per_seq = math.ceil((self.max_model_len + self._spec_tokens) / self.block_size)
+        min_blocks = blocks_per_seq + (self.block_size // self.hash_unit if self.enable_prefix_caching else 0)
+        if self.num_blocks is None:
+            affordable = self.cache_memory_bytes // max(page_bytes, 1)
+            self.num_blocks = max(min_blocks, min(self.max_num_seqs * blocks_per_seq, affordable))
+        if self.num_blocks < min_blocks:
+            raise ValueError(
+                f"num_blocks {self.num_blocks} cannot hold one request of max_model_len {self.max_model_len} in pages "
+                f"of {self.block_size} tokens (needs {min_blocks}, counting the pages a prefix hit may pin)"
+            )
+        if self.max_num_checkpoints is None:
+            self.max_num_checkpoints = 2 * self.max_num_seqs if self.enable_prefix_caching else 0
+        if self.max_num_checkpoints < 0:
+            raise ValueError(f"max_num_checkpoints must be non-negative, got {self.max_num_checkpoints}")
+        if self.max_num_batched_tokens < 1 + self._spec_tokens:
+            raise ValueError("max_num_batched_tokens must hold one verify step (1 + num_speculative_tokens)")
+        if self.enable_prefix_caching:
+            self._warn_if_inert()
+        return self
+
+    @property
+    def _spec_tokens(self) -> int:
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+
+    def _warn_if_inert(self) -> None:
+        """Startup checks of spec §2.7: configurations under which prefix caching can never (or rarely) hit."""
+        policy = self.checkpoint_policy
+        if not (policy.prompt_end or policy.interval or policy.second_sighting) or self.max_num_checkpoints == 0:
+            warnings.warn("prefix caching is inert: no KDA state checkpoint can ever be taken", stacklevel=3)
+        if self.hash_unit >= self.max_model_len:
+            warnings.warn(
+                f"prefix caching is inert: hash_unit {self.hash_unit} >= max_model_len {self.max_model_len}",
+                stacklevel=3,
+            )
+        if self.max_num_batched_tokens % self.hash_unit and self.max_num_batched_tokens > self.hash_unit:
+            warnings.warn(
+                f"max_num_batched_tokens {self.max_num_batched_tokens} is not a multiple of hash_unit "
+                f"{self.hash_unit}: prefill chunks are cut at unit boundaries, so part of each step's budget "
+                "goes unused",
+                stacklevel=3,
+            )

@@ -1,0 +1,309 @@
+"""The engine: `LLMEngine.step()` = schedule -> run -> sample -> update, and the offline `LLM.generate`.
+
+    llm = LLM("ckpt_dir", enable_prefix_caching=True, speculative_config={"method": "ngram",
+              "num_speculative_tokens": 4}, max_num_batched_tokens=2048)
+    outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
+    outs[0].outputs[0].text, outs[0].outputs[0].token_ids
+
+Each step runs one forward over the scheduled prefill chunks and plain decodes, plus one verify forward per draft
+length when speculating. Sampling uses a per-request generator (seeded from `SamplingParams.seed` and the sample
+index), so a request's tokens do not depend on what it was batched with.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from openk3.data.tokenizer import ByteTokenizer, load_tokenizer
+from openk3.model.model import K3ForCausalLM
+from openk3.serve.config import ServeConfig
+from openk3.serve.kv.manager import KVCacheManager
+from openk3.serve.request import CompletionOutput, Request, RequestOutput, SamplingParams, Status
+from openk3.serve.runner import ModelRunner
+from openk3.serve.scheduler import Scheduler
+from openk3.serve.spec_decode import AdaptiveProposer, DraftModelProposer, NgramProposer, accept, fold
+
+
+@dataclass
+class SpecStats:
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def _probs_fn(params: SamplingParams):
+    """The distribution tokens are drawn from (None for greedy): temperature, then top-k, then top-p."""
+    if params.temperature == 0:
+        return lambda row: None
+
+    def probs(row_V: torch.Tensor) -> torch.Tensor:
+        logits = row_V.float() / params.temperature
+        if params.top_k > 0:
+            kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if params.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            p_sorted = torch.softmax(sorted_logits, -1)
+            drop = (p_sorted.cumsum(-1) - p_sorted) >= params.top_p
+            logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+        return torch.softmax(logits, -1)
+
+    return probs
+
+
+class LLMEngine:
+    def __init__(self, model: K3ForCausalLM, tokenizer=None, config: ServeConfig | None = None):
+        self.model = model.eval()
+        text = model.text_config
+        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer(text.vocab_size)
+        latent_width = text.kv_lora_rank + text.qk_rope_head_dim
+        num_mla = sum(text.layer_kind(i) == "mla" for i in range(text.num_hidden_layers))
+        config = config or ServeConfig()
+        page_bytes = num_mla * latent_width * config.block_size * model.lm_head.weight.element_size()
+        self.config = config.resolve(text.max_position_embeddings, page_bytes)
+        p = model.lm_head.weight
+        self.manager = KVCacheManager(text, self.config, p.dtype, p.device)
+        self.scheduler = Scheduler(self.config, self.manager)
+        self.runner = ModelRunner(model, self.manager)
+        self.proposer = self._make_proposer()
+        self.spec_stats = SpecStats()
+        self.eos_token_id = text.eos_token_id
+        self.requests: dict[str, list[Request]] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._counter = itertools.count()
+        self.step_count = 0
+
+    def _make_proposer(self):
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if spec.method == "ngram":
+            return AdaptiveProposer(NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min))
+        draft = spec.model
+        if isinstance(draft, (str, os.PathLike)):
+            draft = K3ForCausalLM.from_pretrained(draft, dtype=self.model.lm_head.weight.dtype)
+        return AdaptiveProposer(DraftModelProposer(draft.eval(), self.model.text_config.vocab_size))
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    def add_request(
+        self, prompt: str | dict | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a prompt (text, `{"prompt_token_ids": [...]}` or a list of ids); returns its request id."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt, add_bos=not isinstance(self.tokenizer, ByteTokenizer))
+        elif isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt_token_ids'")
+            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        else:
+            text, ids = None, list(prompt)
+        vocab = self.model.text_config.vocab_size
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; max_model_len {self.config.max_model_len} leaves no room to generate"
+            )
+        request_id = request_id if request_id is not None else str(next(self._counter))
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        reqs = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+            req = Request(request_id, ids, params, index=i, arrival=self.step_count, generator=gen)
+            reqs.append(req)
+            self.scheduler.add(req)
+        self.requests[request_id] = reqs
+        self._prompts[request_id] = text
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its slot and pages (e.g. a client disconnected)."""
+        for req in self.requests.pop(request_id, []):
+            if not req.is_finished:
+                req.finish_reason = "abort"
+                self._finish(req)
+        self._prompts.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step --------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the current output of every request that produced tokens or finished."""
+        plan = self.scheduler.schedule(self.proposer)
+        if plan.num_tokens == 0 and self.scheduler.waiting and not self.scheduler.running:
+            # Cannot happen with a resolved config (it holds one max_model_len request); never spin silently.
+            raise RuntimeError("the engine is idle but cannot admit the next request: the cache pool is too small")
+        touched: dict[str, None] = {}
+        if plan.chunks:
+            reqs = [c.req for c in plan.chunks]
+            ids = [c.req.tokens[c.req.num_computed : c.req.num_computed + c.num_tokens] for c in plan.chunks]
+            samples = [c.req.num_computed + c.num_tokens == c.req.num_tokens for c in plan.chunks]
+            rows = [[len(x) - 1] if s else [] for x, s in zip(ids, samples)]
+            logits, _ = self.runner.run(reqs, ids, rows)
+            row = 0
+            for chunk, sampled in zip(plan.chunks, samples):
+                req = chunk.req
+                req.num_computed += chunk.num_tokens
+                self.manager.commit(req)
+                if sampled:
+                    self._emit(req, [self._sample(req, logits[row])], logits[row : row + 1])
+                    row += 1
+                touched[req.request_id] = None
+        for group in plan.verify.values():
+            self._verify(group)
+            touched.update((req.request_id, None) for req, _ in group)
+        self.step_count += 1
+        return [self._output(rid) for rid in touched if rid in self.requests]
+
+    def _verify(self, group: list[tuple[Request, list[int]]]) -> None:
+        reqs = [req for req, _ in group]
+        ids = [[req.tokens[-1], *drafts] for req, drafts in group]
+        rows = [list(range(len(x))) for x in ids]
+        logits, records = self.runner.run(reqs, ids, rows, verify=True)
+        G = len(ids[0])
+        emitted = []
+        for n, (req, drafts) in enumerate(group):
+            block = logits[n * G : (n + 1) * G]
+            tokens, used = accept(block, drafts, req, _probs_fn(req.params))
+            emitted.append((req, tokens, block[used]))
+            self.spec_stats.drafted += len(drafts)
+            self.spec_stats.accepted += len(tokens) - 1
+            self.proposer.update(req, len(drafts), len(tokens) - 1)
+        self.spec_stats.steps += 1
+        # Every emitted token but the last was an input of this pass: those are folded into the state.
+        fold(self.manager.pools, [r.slot for r in reqs], records, [len(t) for _, t, _ in emitted])
+        for req, tokens, rows in emitted:
+            req.num_computed += len(tokens)
+            self._emit(req, tokens, rows)  # first: the accepted drafts must be in req.tokens before commit hashes them
+            if not req.is_finished:
+                self.manager.commit(req)
+
+    def _sample(self, req: Request, logits_V: torch.Tensor) -> int:
+        p = _probs_fn(req.params)(logits_V)
+        return int(logits_V.argmax()) if p is None else int(torch.multinomial(p, 1, generator=req.generator))
+
+    def _emit(self, req: Request, tokens: list[int], logits_GV: torch.Tensor) -> None:
+        """Append sampled tokens (stopping early at a stop condition) and finish the request if one is met."""
+        params = req.params
+        logprobs_GV = F.log_softmax(logits_GV.float(), -1) if params.logprobs is not None else None
+        for i, tok in enumerate(tokens):
+            req.output_token_ids.append(tok)
+            if logprobs_GV is not None:
+                lp = logprobs_GV[i]
+                top = torch.topk(lp, params.logprobs) if params.logprobs else None
+                entry = {tok: float(lp[tok])}
+                if top is not None:
+                    entry.update({int(t): float(v) for v, t in zip(top.values, top.indices)})
+                req.output_logprobs.append(entry)
+                req.cumulative_logprob += float(lp[tok])
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                req.finish_reason, req.stop_reason = reason
+                self._finish(req)
+                return
+
+    def _stop_reason(self, req: Request, tok: int) -> tuple[str, str | int | None] | None:
+        params = req.params
+        if not params.ignore_eos and tok == self.eos_token_id:
+            return "stop", tok
+        if tok in params.stop_token_ids:
+            return "stop", tok
+        if params.stop:
+            text = self.tokenizer.decode(req.output_token_ids)
+            for s in params.stop:
+                if s in text:
+                    return "stop", s
+        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return "length", None
+        return None
+
+    def _finish(self, req: Request) -> None:
+        self.scheduler.finish(req)
+        if self.proposer is not None:
+            self.proposer.release(req)
+
+    def _output(self, request_id: str) -> RequestOutput:
+        reqs = self.requests[request_id]
+        outs = []
+        for req in reqs:
+            text = self.tokenizer.decode(req.output_token_ids)
+            if req.finish_reason == "stop" and isinstance(req.stop_reason, str):
+                text = text[: text.index(req.stop_reason)]
+            outs.append(CompletionOutput(
+                req.index, text, list(req.output_token_ids),
+                req.cumulative_logprob if req.params.logprobs is not None else None,
+                list(req.output_logprobs) if req.params.logprobs is not None else None,
+                req.finish_reason, req.stop_reason,
+            ))  # fmt: skip
+        return RequestOutput(
+            request_id, self._prompts.get(request_id), reqs[0].prompt_token_ids, outs,
+            all(r.is_finished for r in reqs), max(r.num_cached_tokens for r in reqs),
+        )  # fmt: skip
+
+    def release_finished(self, request_id: str) -> None:
+        """Forget a finished request's records (the engine keeps them until the caller has read them)."""
+        reqs = self.requests.get(request_id, [])
+        if all(r.status is Status.FINISHED for r in reqs):
+            self.requests.pop(request_id, None)
+            self._prompts.pop(request_id, None)
+
+
+class LLM:
+    """Offline generation: `LLM(checkpoint_dir_or_model, **engine_options).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str | os.PathLike | K3ForCausalLM, tokenizer=None, dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu", **options):  # fmt: skip
+        if isinstance(model, (str, os.PathLike)):
+            ckpt = model
+            model = K3ForCausalLM.from_pretrained(ckpt, dtype=dtype, device=device)
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ckpt, model.text_config)
+        self.engine = LLMEngine(model, tokenizer, ServeConfig.from_options(**options))
+
+    def generate(
+        self,
+        prompts: str | dict | list,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        engine = self.engine
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req")
+        final: dict[str, RequestOutput] = {}
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished and out.request_id not in final:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        self.last_elapsed_s = time.perf_counter() - start
+        for rid in ids:
+            engine.release_finished(rid)
+        return [final[rid] for rid in ids]

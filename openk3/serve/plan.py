@@ -1,0 +1,141 @@
+"""The serving economics of K3's hybrid cache: bytes per token and per request, the crossover against an all-MLA
+model of the same depth, and the allocation unit (spec/serving.md §1.1–1.3).
+
+This file owns the arithmetic only; the pool that allocates these bytes is `serve/kv/block_pool.py`. What each layer
+kind keeps between forwards (spec §1.1):
+
+- MLA: one latent per token per MLA layer, `kv_lora_rank + qk_rope_head_dim` values in the activation dtype. It has a
+  single "head", so tensor parallelism **replicates** it: every TP rank holds all of it.
+- KDA: a recurrent state of H × K × V values per request per KDA layer, always fp32, plus the short-conv tail: the last
+  W − 1 pre-conv inputs of q, k and v (3 × H·K channels) in the activation dtype. KDA shards by heads, so both divide
+  by TP.
+- AttnRes: nothing (its bank lives inside one forward).
+
+Legend: H KDA heads, K = V KDA head dim, W short-conv kernel width, TP tensor-parallel degree. All sizes are bytes;
+per-request and per-token sizes are per GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from openk3.config import K3TextConfig
+
+_STATE_BYTES = 4  # the KDA recurrent state is fp32 everywhere (STYLE.md §5)
+_CONV_PROJECTIONS = 3  # q, k and v each have their own short conv
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """Cache sizes of one config at one activation dtype and TP degree. Build it with `cache_plan`."""
+
+    num_mla_layers: int
+    num_kda_layers: int
+    act_bytes: int  # bytes per activation value (bf16 2, fp32 4)
+    tp: int
+    latent_bytes_per_token_layer: int  # one MLA layer's latent for one token (replicated under TP)
+    fixed_bytes_per_layer: int  # one KDA layer's state + conv tail for one request, per GPU
+    mla_bytes_per_token: int  # all MLA layers' latents for one token
+    kda_state_bytes_per_request: int  # all KDA layers' fp32 states, per GPU
+    conv_bytes_per_request: int  # all KDA layers' conv tails, per GPU
+    fixed_bytes_per_request: int  # state + conv: what a request costs before its first token
+    all_mla_bytes_per_token: int  # a model of the same depth with MLA in every layer
+    crossover_tokens: float  # context length beyond which the hybrid holds fewer bytes; inf if never
+
+    def request_bytes(self, context: int) -> int:
+        """Bytes one request of `context` tokens holds in the hybrid cache."""
+        return self.fixed_bytes_per_request + context * self.mla_bytes_per_token
+
+    def all_mla_request_bytes(self, context: int) -> int:
+        """Bytes the same request would hold if every layer were MLA."""
+        return context * self.all_mla_bytes_per_token
+
+    def allocation_unit(self, hash_unit: int = 512) -> int:
+        """Tokens per MLA block such that one layer's MLA page is at least one layer's state page (state + conv),
+        rounded up to a multiple of `hash_unit` (spec §1.3: 6144 / 3072 / 1536 / 1024 at TP 1 / 2 / 4 / 8 for K3).
+        A model without KDA layers gets one hash unit."""
+        if hash_unit <= 0:
+            raise ValueError(f"hash_unit must be positive, got {hash_unit}")
+        tokens = -(-self.fixed_bytes_per_layer // self.latent_bytes_per_token_layer)
+        return max(1, -(-tokens // hash_unit)) * hash_unit
+
+
+def cache_plan(text_config: K3TextConfig, act_bytes: int = 2, tp: int = 1) -> CachePlan:
+    """Compute the `CachePlan` of `text_config` with activations of `act_bytes` bytes at tensor parallelism `tp`."""
+    if act_bytes <= 0:
+        raise ValueError(f"act_bytes must be positive, got {act_bytes}")
+    la = text_config.linear_attn_config
+    if tp <= 0 or la.num_heads % tp:
+        raise ValueError(f"tp must be a positive divisor of linear_attn_config.num_heads ({la.num_heads}), got {tp}")
+    kinds = [text_config.layer_kind(i) for i in range(text_config.num_hidden_layers)]
+    num_kda, num_mla = kinds.count("kda"), kinds.count("mla")
+    latent = (text_config.kv_lora_rank + text_config.qk_rope_head_dim) * act_bytes
+    # K3's KDA uses head_dim for both the key and the value width (K = V).
+    state = la.num_heads * la.head_dim * la.head_dim * _STATE_BYTES // tp
+    conv = _CONV_PROJECTIONS * (la.short_conv_kernel_size - 1) * la.num_heads * la.head_dim * act_bytes // tp
+    fixed = num_kda * (state + conv)
+    mla_per_token = num_mla * latent
+    all_mla_per_token = text_config.num_hidden_layers * latent
+    saving = all_mla_per_token - mla_per_token  # bytes per token the hybrid saves against all-MLA
+    return CachePlan(
+        num_mla_layers=num_mla,
+        num_kda_layers=num_kda,
+        act_bytes=act_bytes,
+        tp=tp,
+        latent_bytes_per_token_layer=latent,
+        fixed_bytes_per_layer=state + conv,
+        mla_bytes_per_token=mla_per_token,
+        kda_state_bytes_per_request=num_kda * state,
+        conv_bytes_per_request=num_kda * conv,
+        fixed_bytes_per_request=fixed,
+        all_mla_bytes_per_token=all_mla_per_token,
+        crossover_tokens=fixed / saving if saving > 0 else math.inf,
+    )
+
+
+def _human(n: float) -> str:
+    """Binary units (KiB = 1024 B), as spec §1.2 uses them."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _tokens(n: int) -> str:
+    """1K = 1024 tokens, 1M = 1024K, as the spec's context table counts them."""
+    for unit, size in (("M", 2**20), ("K", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def format_plan(plan: CachePlan, contexts: list[int], batch: int) -> str:
+    """A readable report: per-token and per-request sizes, a table of `batch` requests at each of `contexts` tokens
+    (hybrid vs all-MLA), the crossover length and the allocation unit."""
+    bad = [c for c in contexts if c <= 0]
+    if bad:
+        raise ValueError(f"context must be a positive number of tokens, got {bad[0]}")
+    if batch <= 0:
+        raise ValueError(f"batch must be positive, got {batch}")
+    rows = [
+        ("MLA latent per token", plan.mla_bytes_per_token, f"{plan.num_mla_layers} MLA layers, replicated under TP"),
+        ("KDA state per request", plan.kda_state_bytes_per_request, f"{plan.num_kda_layers} KDA layers, fp32"),
+        ("conv tail per request", plan.conv_bytes_per_request, f"{plan.num_kda_layers} KDA layers x 3 projections"),
+        ("fixed per request", plan.fixed_bytes_per_request, "state + conv"),
+        ("all-MLA per token", plan.all_mla_bytes_per_token, f"{plan.num_mla_layers + plan.num_kda_layers} MLA layers"),
+    ]
+    lines = [f"hybrid cache per GPU at TP{plan.tp}, {plan.act_bytes}-byte activations (KDA state fp32)"]
+    lines += [f"  {name:<22} {_human(n):>12} {n:>16,} B   {note}" for name, n, note in rows]
+    lines.append("")
+    lines.append(f"  {'context':>8} {f'hybrid x{batch}':>14} {f'all-MLA x{batch}':>14} {'ratio':>6}")
+    for context in contexts:
+        hybrid, all_mla = batch * plan.request_bytes(context), batch * plan.all_mla_request_bytes(context)
+        lines.append(f"  {_tokens(context):>8} {_human(hybrid):>14} {_human(all_mla):>14} {hybrid / all_mla:>6.2f}")
+    lines.append("")
+    if math.isinf(plan.crossover_tokens):
+        lines.append("crossover: none, the hybrid is never smaller than all-MLA")
+    else:
+        lines.append(f"crossover: the hybrid is smaller than all-MLA beyond {plan.crossover_tokens:,.1f} tokens")
+    lines.append(f"allocation unit: {plan.allocation_unit():,} tokens (512-token hash unit)")
+    return "\n".join(lines)

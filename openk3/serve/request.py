@@ -1,0 +1,111 @@
+"""Requests and their outputs, in the shape of vLLM's offline API.
+
+`SamplingParams` is what a user asks for; `Request` is the engine's record of one sequence being generated (one
+per `n`), with its token counters: `tokens` = prompt + output so far, and `num_computed` of them are folded into the
+cache. The request is prefilling while num_computed < len(tokens) - 1 and decoding when exactly one token (the
+last sampled) is left to feed. `RequestOutput` / `CompletionOutput` are what `LLM.generate` returns.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 is greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # None: no log-probs; k >= 0: the sampled token's plus the k most likely
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        checks = {
+            "max_tokens": self.max_tokens >= 1,
+            "temperature": self.temperature >= 0,
+            "top_p": 0 < self.top_p <= 1,
+            "top_k": self.top_k >= 0,
+            "n": self.n >= 1,
+            "logprobs": self.logprobs is None or 0 <= self.logprobs <= 20,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"invalid SamplingParams.{name}: {getattr(self, name)!r}")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    index: int = 0  # which of the prompt's n samples
+    arrival: int = 0  # engine step of arrival (FCFS order)
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_computed: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0  # effective prefix hit of the latest admission (tokens restored, not recomputed)
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    # Cache resources, owned by the KV manager: KDA working slot, MLA page ids, unit hashes of `tokens`.
+    slot: int | None = None
+    block_ids: list[int] = field(default_factory=list)
+    unit_hashes: list[bytes] = field(default_factory=list)
+    planned_checkpoints: list[int] = field(default_factory=list)  # token positions, ascending
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed < self.num_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None  # "stop", "length" or None while running
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

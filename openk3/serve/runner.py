@@ -1,0 +1,39 @@
+"""ModelRunner: turns a step's work into one packed `ForwardBatch` over the paged cache and runs the model.
+
+The batch packs every sequence's new tokens back to back (cu_seqlens); the cache is a `PagedCache` whose views
+read and write the pools at each request's slot and page table. Only the rows that are sampled go through the LM
+head: the last row of a chunk that reaches the end of its request's tokens, or every row of a verify pass.
+
+Legend: N sequences, T packed tokens, D hidden, V vocabulary, G tokens per verified sequence (1 + drafts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openk3.model.batch import ForwardBatch
+from openk3.model.cache import VerifyStep
+from openk3.model.model import K3ForCausalLM
+from openk3.serve.kv.manager import KVCacheManager
+from openk3.serve.request import Request
+
+
+class ModelRunner:
+    def __init__(self, model: K3ForCausalLM, manager: KVCacheManager):
+        self.model, self.manager = model, manager
+        self.device = model.lm_head.weight.device
+
+    @torch.inference_mode()
+    def run(self, reqs: list[Request], ids: list[list[int]], rows: list[list[int]], verify: bool = False):
+        """Feed `ids[i]` to request i (continuing at its num_computed); return fp32 logits of the requested
+        `rows[i]` (indices into ids[i]) as one [sum rows, V] tensor, and the verify records (verify only)."""
+        lengths = [len(x) for x in ids]
+        cache = self.manager.view(reqs, lengths, verify)
+        flat = torch.tensor([t for x in ids for t in x], dtype=torch.long, device=self.device)
+        batch = ForwardBatch.from_lengths(flat, lengths, cache, verify=verify)
+        hidden_TD = self.model.model(batch)
+        offsets = batch.cu_seqlens[:-1].tolist()
+        pick = torch.tensor([o + r for o, rs in zip(offsets, rows) for r in rs], dtype=torch.long, device=self.device)
+        logits = self.model.lm_head(hidden_TD.index_select(0, pick)).float()
+        records: list[list[VerifyStep]] | None = cache.records
+        return logits, records

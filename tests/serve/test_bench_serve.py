@@ -1,0 +1,25 @@
+"""`k3 bench serve --quick` runs in seconds, writes JSON and markdown with every section, and its cache arithmetic
+matches `k3 plan` exactly (the one target that is exact rather than timed)."""
+
+import json
+
+from openk3.bench import serve as bench_serve
+
+
+def test_bench_serve_quick_writes_every_section(tmp_path):
+    out = tmp_path / "serve.json"
+    assert bench_serve.main(["--quick", "--contexts", "64,256", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {"machine", "matmul_gflops", "cache", "decode", "ttft", "speculative", "throughput", "targets"} <= set(
+        result
+    )
+    k3 = result["cache"]["k3-layout"]
+    assert k3["measured_bytes_per_token"] == k3["plan_bytes_per_token"] == 27_648
+    assert k3["measured_request_bytes"] == k3["plan_request_bytes"] == 449_372_160
+    assert abs(k3["ratio_to_all_mla"] - 24 / 93) < 1e-12
+    assert [c["context"] for c in result["decode"]["hybrid"]] == [64, 256]
+    assert all(c["ms_per_token"] > 0 for c in result["decode"]["all_mla"])
+    assert result["ttft"]["hit_tokens"] == result["ttft"]["shared"]  # the checkpoint at the earlier prompt's end
+    assert set(result["throughput"]) == {"1", "4"}
+    assert all("target" in t and "measured" in t for t in result["targets"])
+    assert (tmp_path / "serve.md").read_text().startswith("# Serving benchmark")

@@ -8,6 +8,8 @@
     k3 plot RUN_DIR                                      PNG plots of a run's metrics
     k3 export --ckpt DIR --out DIR                       a checkpoint in the release dtypes (bf16 + fp32 extras)
     k3 tokenizer train --out DIR [--data PATH]           a byte-level BPE for a preset's vocabulary
+    k3 serve --ckpt DIR [--host H] [--port P]             OpenAI-compatible server (/v1/completions, /v1/chat/...)
+    k3 chat --ckpt DIR                                   interactive terminal chat with streaming
     k3 plan (--ckpt DIR | --preset NAME) [...]           hybrid-cache bytes per token and request vs all-MLA
     k3 bench kda [...]                                   benchmarks (`k3 bench kda --help`)
 """
@@ -102,6 +104,89 @@ def cmd_generate(args) -> int:
     model = K3ForCausalLM.from_pretrained(ckpt, dtype=to_dtype(args.dtype)).eval()
     _generate(model, args.prompt, args, ckpt)
     return 0
+
+
+def _engine_from_args(args):
+    """Load `--ckpt` (a checkpoint or a training run) into an engine with the serving flags; returns
+    (engine, chat template, checkpoint path)."""
+    from openk3.data.chat import load_chat_template
+    from openk3.serve.config import ServeConfig
+    from openk3.serve.engine import LLMEngine
+
+    ckpt = resolve_checkpoint(args.ckpt)
+    model = K3ForCausalLM.from_pretrained(ckpt, dtype=to_dtype(args.dtype)).eval()
+    tok = load_tokenizer(ckpt, model.text_config)
+    spec = None
+    if args.speculative:
+        spec = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+        if args.speculative == "draft_model":
+            spec["model"] = args.draft_ckpt
+    options = {"speculative_config": spec, "enable_prefix_caching": not args.no_prefix_caching,
+               "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
+    engine = LLMEngine(model, tok, ServeConfig.from_options(**options))
+    return engine, load_chat_template(ckpt, tok), ckpt
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from openk3.serve.async_engine import AsyncLLM
+    from openk3.serve.server import build_app
+
+    engine, template, ckpt = _engine_from_args(args)
+    name = args.model_name or os.path.basename(os.path.normpath(ckpt))
+    llm = AsyncLLM(engine, max_waiting=args.max_waiting)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (chat template: {template.name})", file=sys.stderr)
+    try:
+        uvicorn.run(build_app(llm, name, template), host=args.host, port=args.port, log_level="info")
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def cmd_chat(args) -> int:
+    """An interactive terminal chat: streamed answers; /reset clears the history, /exit (or Ctrl-D) quits."""
+    from openk3.data.chat import Message
+    from openk3.serve.request import SamplingParams
+    from openk3.serve.streaming import TextDelta
+
+    engine, template, _ = _engine_from_args(args)
+    if args.show_template:
+        print(f"{template.name}:\n{template.source}")
+        return 0
+    history = [Message("system", args.system)] if args.system else []
+    turn = 0
+    print("k3 chat: type a message; /reset clears the conversation, /exit quits", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append(Message("user", line))
+        params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed + turn, stop=template.stop)  # fmt: skip
+        engine.add_request({"prompt_token_ids": template.encode(history)}, params, request_id=f"turn{turn}")
+        delta, text = TextDelta(params.stop), ""
+        print("k3> ", end="", flush=True)
+        while engine.has_unfinished():
+            for out in engine.step():
+                sample = out.outputs[0]
+                text = sample.text
+                print(delta.update(text, sample.finish_reason is not None), end="", flush=True)
+        print()
+        engine.release_finished(f"turn{turn}")
+        history.append(Message("assistant", text))
+        turn += 1
 
 
 def cmd_info(args) -> int:
@@ -333,6 +418,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (KDA state shards, MLA latent does not)")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="activation dtype of latent and conv")
     p.set_defaults(func=cmd_plan)
+
+    for name, help_text in (("serve", "the OpenAI-compatible HTTP server"), ("chat", "an interactive terminal chat")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--ckpt", required=True, help="a checkpoint folder or a training run folder")
+        p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: as stored")
+        p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--max-num-seqs", type=int, default=16)
+        p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        p.add_argument("--no-prefix-caching", action="store_true")
+        p.add_argument("--speculative", choices=["ngram", "draft_model"])
+        p.add_argument("--num-speculative-tokens", type=int, default=4)
+        p.add_argument("--draft-ckpt")
+        if name == "serve":
+            p.add_argument("--host", default="127.0.0.1")
+            p.add_argument("--port", type=int, default=8000)
+            p.add_argument("--model-name", default=None, help="the id clients use (default: the folder name)")
+            p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
+            p.set_defaults(func=cmd_serve)
+        else:
+            p.add_argument("--system", default=None, help="a system message")
+            p.add_argument("--max-new-tokens", type=int, default=256)
+            p.add_argument("--temperature", type=float, default=0.7)
+            p.add_argument("--top-p", type=float, default=0.95)
+            p.add_argument("--top-k", type=int, default=0)
+            p.add_argument("--seed", type=int, default=0)
+            p.add_argument("--show-template", action="store_true", help="print the chat template and exit")
+            p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="benchmarks: kda, serve")
     p.add_argument("which", choices=sorted(BENCHMARKS))

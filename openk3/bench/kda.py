@@ -128,7 +128,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 def machine_info() -> dict:
     model = platform.processor()
     try:
-        model = re.search(r"Model name:\s*(.+)", os.popen("lscpu").read()).group(1).strip()
+        with os.popen("lscpu") as lscpu:
+            model = re.search(r"Model name:\s*(.+)", lscpu.read()).group(1).strip()
     except (AttributeError, OSError):
         pass
     return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -140,7 +141,8 @@ def load_info() -> str:
     parts = []
     for path in ("/proc/loadavg", "/proc/pressure/cpu"):
         try:
-            parts.append(open(path).read().split("\n")[0])
+            with open(path) as f:
+                parts.append(f.readline().rstrip("\n"))
         except OSError:
             pass
     return " | ".join(parts)

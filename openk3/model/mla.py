@@ -71,8 +71,9 @@ class GatedMLA(nn.Module):
         w_HXR = self.kv_b_proj.weight.float().view(self.num_heads, self.nope + self.v_dim, self.kv_rank)
         q_nope_H, q_pe_H = q_HD.float().split([self.nope, self.rope], dim=-1)
         q_lat_HR = torch.einsum("hn,hnr->hr", q_nope_H, w_HXR[:, : self.nope])
-        scores_SH = latent_SR @ (torch.cat([q_lat_HR, q_pe_H], dim=-1).T * self.scale)
-        o_lat_HR = (torch.softmax(scores_SH.T, dim=-1) @ latent_SR)[:, : self.kv_rank]
+        # [H, R] @ [R, S], not latent @ q: CPU BLAS handles the skinny product several times faster this way.
+        scores_HS = (torch.cat([q_lat_HR, q_pe_H], dim=-1) * self.scale) @ latent_SR.T
+        o_lat_HR = (torch.softmax(scores_HS, dim=-1) @ latent_SR)[:, : self.kv_rank]
         return torch.einsum("hr,hvr->hv", o_lat_HR, w_HXR[:, self.nope :]).to(q_HD.dtype)[None]
 
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: MLACache | None = None) -> torch.Tensor:

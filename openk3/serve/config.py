@@ -30,7 +30,7 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4  # n-gram lengths tried, longest first (vLLM's names)
-    prompt_lookup_min: int = 2
+    prompt_lookup_min: int = 3
     model: Any = None  # draft_model: a checkpoint folder or a K3ForCausalLM sharing the target's vocabulary
 
     def __post_init__(self) -> None:

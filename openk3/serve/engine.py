@@ -13,6 +13,7 @@ index), so a request's tokens do not depend on what it was batched with.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from openk3.serve.request import CompletionOutput, Request, RequestOutput, Sampl
 from openk3.serve.runner import ModelRunner
 from openk3.serve.scheduler import Scheduler
 from openk3.serve.spec_decode import AdaptiveProposer, DraftModelProposer, NgramProposer, accept, fold
+
+log = logging.getLogger("openk3.serve")
 
 
 @dataclass
@@ -82,6 +85,26 @@ class LLMEngine:
         self._prompts: dict[str, str | None] = {}
         self._counter = itertools.count()
         self.step_count = 0
+        info = self.cache_info()
+        log.info(
+            "cache: %d MLA pages of %d tokens (%s B per token, %.1f MiB), %d KDA state slots of %.2f MiB (%d for "
+            "running requests, %d for checkpoints)", info["num_blocks"], info["block_size"],
+            info["mla_bytes_per_token"], info["mla_pool_bytes"] / 2**20, info["num_slots"],
+            info["bytes_per_request"] / 2**20, self.config.max_num_seqs, self.config.max_num_checkpoints,
+        )  # fmt: skip
+
+    def cache_info(self) -> dict[str, int]:
+        """The cache's memory, read from the allocated pools: MLA bytes per token, fixed KDA bytes per request."""
+        pools = self.manager.pools
+        return {
+            "mla_bytes_per_token": pools.mla_bytes_per_token(),
+            "bytes_per_request": pools.slot_bytes(),
+            "block_size": pools.block_size,
+            "num_blocks": pools.num_blocks,
+            "mla_pool_bytes": pools.latent_MNBR.numel() * pools.latent_MNBR.element_size(),
+            "num_slots": pools.num_slots - 1,  # slot 0 is the dummy
+            "total_bytes": pools.nbytes(),
+        }
 
     def _make_proposer(self):
         spec = self.config.speculative_config

@@ -31,7 +31,7 @@ class NgramProposer:
     propose the k tokens that followed its latest occurrence. Each request keeps an index from every n-gram to its
     latest end position, extended by the new tokens at each call, so a lookup costs O(new tokens), not O(context)."""
 
-    def __init__(self, max_n: int = 4, min_n: int = 2):
+    def __init__(self, max_n: int = 4, min_n: int = 3):
         self.max_n, self.min_n = max_n, min_n
         self.index: dict[int, tuple[int, dict[tuple[int, ...], int]]] = {}  # id(req) -> (indexed upto, n-gram -> end)
 

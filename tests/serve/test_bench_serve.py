@@ -17,8 +17,8 @@ def test_bench_serve_quick_writes_every_section(tmp_path):
     assert k3["measured_bytes_per_token"] == k3["plan_bytes_per_token"] == 27_648
     assert k3["measured_request_bytes"] == k3["plan_request_bytes"] == 449_372_160
     assert abs(k3["ratio_to_all_mla"] - 24 / 93) < 1e-12
-    assert [c["context"] for c in result["decode"]["hybrid"]] == [64, 256]
-    assert all(c["ms_per_token"] > 0 for c in result["decode"]["all_mla"])
+    assert [c["context"] for c in result["decode"]["tiny"]["hybrid"]] == [64, 256]
+    assert all(c["ms_per_token"] > 0 for c in result["decode"]["tiny"]["all_mla"])
     assert result["ttft"]["hit_tokens"] == result["ttft"]["shared"]  # the checkpoint at the earlier prompt's end
     assert set(result["throughput"]) == {"1", "4"}
     assert all("target" in t and "measured" in t for t in result["targets"])

@@ -157,3 +157,13 @@ def test_preemption_under_page_pressure_recomputes_exactly(model, caching):
     assert preempted > 0
     for i, (ref, clear) in enumerate(refs):
         assert done[str(i)][:clear] == ref[:clear]
+
+
+def test_reported_cache_bytes_follow_the_plan_arithmetic(model):
+    from openk3.serve.plan import cache_plan
+
+    info = make_engine(model).cache_info()
+    plan = cache_plan(model.text_config, act_bytes=4)  # the fp32 test model
+    assert info["mla_bytes_per_token"] == plan.mla_bytes_per_token
+    assert info["bytes_per_request"] == plan.fixed_bytes_per_request
+    assert info["total_bytes"] >= info["mla_pool_bytes"] + info["num_slots"] * info["bytes_per_request"]

@@ -27,18 +27,25 @@ def _serve(engine, prompt, rid, max_tokens=6):
     return run_to_end(engine)[rid]
 
 
-@pytest.mark.parametrize("shared", [64, 48])  # a hit that ends on a page boundary, and one inside a page (COW)
-def test_prefix_hit_is_bitwise_equal_to_a_cold_split_run(model, shared, one_thread):
+# (shared tokens, checkpoint interval, expected hit): a hit that ends on a page boundary; one inside a page
+# (copy-on-write); one bounded by an interval checkpoint below the deeper latent match (the state, not the latents,
+# decides where a hit ends).
+@pytest.mark.parametrize(("shared", "interval", "hit"), [(64, 0, 64), (48, 0, 48), (48, 32, 32)])
+def test_prefix_hit_is_bitwise_equal_to_a_cold_split_run(model, shared, interval, hit, one_thread):
     base = random_prompt(shared + 6, seed=1)
     follow = base[:shared] + random_prompt(20, seed=2)
-    budget = shared  # both runs cut the first prefill chunk at `shared`
-    warm = make_engine(model, max_num_batched_tokens=budget, **UNITS)
+    # Both runs cut the first prefill chunk at the hit; no second-sighting checkpoint adds a cut to one run only.
+    options = {"max_num_batched_tokens": hit, **UNITS}
+    # The interval case takes no prompt-end checkpoints, so its only checkpoint below the shared prefix is at 32.
+    options["checkpoint_policy"] = {"prompt_end": not interval, "interval": interval, "second_sighting": False}
+    warm = make_engine(model, **options)
     _serve(warm, base, "a")
     tap_warm = LogitTap(warm)
     out_warm = _serve(warm, follow, "b")
-    assert warm.manager.stats.state_hit_tokens == shared
-    assert warm.manager.stats.cow_copies == (1 if shared % 32 else 0)
-    cold = make_engine(model, max_num_batched_tokens=budget, **UNITS)
+    assert warm.manager.stats.state_hit_tokens == hit
+    assert warm.manager.stats.mla_hit_tokens == shared
+    assert warm.manager.stats.cow_copies == (1 if hit % 32 else 0)
+    cold = make_engine(model, **options)
     tap_cold = LogitTap(cold)
     out_cold = _serve(cold, follow, "b")
     assert out_warm == out_cold

@@ -36,9 +36,11 @@ class HybridPools:
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
         # Pages are never read before they are written (reads stop at each request's written length), so the
         # pool starts uninitialised; freed pages are NaN-poisoned by the manager to make that rule checkable.
-        self.latent_MNBR = torch.empty(M, num_blocks, block_size, R, dtype=dtype, device=device)
-        self.state_NkSHKV = torch.zeros(Nk, num_slots, H, K, K, dtype=torch.float32, device=device)
-        self.conv_Nk3SWP = torch.zeros(Nk, 3, num_slots, W - 1, H * K, dtype=dtype, device=device)
+        # Always normal tensors, even when built under inference_mode, so the pools can be updated in any mode.
+        with torch.inference_mode(False):
+            self.latent_MNBR = torch.empty(M, num_blocks, block_size, R, dtype=dtype, device=device)
+            self.state_NkSHKV = torch.zeros(Nk, num_slots, H, K, K, dtype=torch.float32, device=device)
+            self.conv_Nk3SWP = torch.zeros(Nk, 3, num_slots, W - 1, H * K, dtype=dtype, device=device)
 
     def mla_bytes_per_token(self) -> int:
         M, _, _, R = self.latent_MNBR.shape

@@ -40,24 +40,44 @@ class KDASlotView:
 
 
 class MLAPageView:
-    def __init__(
-        self, pools: HybridPools, index: int, flat_index: list[torch.Tensor], start: list[int], runs: list[int | None]
-    ):
+    def __init__(self, pools: HybridPools, index: int, pages: PageTables, start: list[int]):
         self.flat_RR = pools.latent_MNBR[index].view(-1, pools.latent_MNBR.shape[-1])  # [NB*B, R]
-        self.flat_index, self.written, self.runs = flat_index, list(start), runs
+        self.pages, self.written = pages, list(start)
 
     def past(self, i: int) -> torch.Tensor:
         """[S_i, R]: a view of the pool when the sequence's pages are consecutive, else a gathered copy."""
-        if self.runs[i] is not None:
-            return self.flat_RR[self.runs[i] : self.runs[i] + self.written[i]]
-        return self.flat_RR.index_select(0, self.flat_index[i][: self.written[i]])
+        run = self.pages.runs[i]
+        if run is not None:
+            return self.flat_RR[run : run + self.written[i]]
+        return self.flat_RR.index_select(0, self.pages.flat_index(i)[: self.written[i]])
 
     def append(self, i: int, latents_SR: torch.Tensor) -> None:
-        n = latents_SR.shape[0]
-        idx = self.flat_index[i][self.written[i] : self.written[i] + n]
-        assert idx.numel() == n, "sequence writes past the pages allocated for this step"
-        self.flat_RR.index_copy_(0, idx, latents_SR.to(self.flat_RR.dtype))
+        n, w, run = latents_SR.shape[0], self.written[i], self.pages.runs[i]
+        assert w + n <= self.pages.capacity[i], "sequence writes past the pages allocated for this step"
+        if run is not None:
+            self.flat_RR[run + w : run + w + n] = latents_SR
+        else:
+            self.flat_RR.index_copy_(0, self.pages.flat_index(i)[w : w + n], latents_SR.to(self.flat_RR.dtype))
         self.written[i] += n
+
+
+class PageTables:
+    """Where each sequence's token positions live in the flattened page pool. Consecutive pages (the common case
+    for a request allocated alone) are one run, read and written in place; other tables get a position index,
+    built once per forward and shared by every MLA layer."""
+
+    def __init__(self, block_tables: list[list[int]], block_size: int, device):
+        self.tables, self.B, self.device = block_tables, block_size, device
+        self.capacity = [len(t) * block_size for t in block_tables]
+        self.runs = [t[0] * block_size if t and t == list(range(t[0], t[0] + len(t))) else None for t in block_tables]
+        self._index: dict[int, torch.Tensor] = {}
+
+    def flat_index(self, i: int) -> torch.Tensor:
+        if i not in self._index:
+            pos = torch.arange(self.capacity[i], device=self.device)
+            table = torch.tensor(self.tables[i], dtype=torch.long, device=self.device)
+            self._index[i] = table[pos // self.B] * self.B + pos % self.B
+        return self._index[i]
 
 
 class PagedCache:
@@ -76,14 +96,9 @@ class PagedCache:
         device = pools.state_NkSHKV.device
         self.num_seqs = len(slots)
         slots_N = torch.tensor(slots, dtype=torch.long, device=device)
-        B = pools.block_size
-        flat_index, runs = [], []
-        for table, s, n in zip(block_tables, start, lengths, strict=True):
-            pos = torch.arange(s + n, device=device)
-            table_t = torch.tensor(table, dtype=torch.long, device=device)
-            flat_index.append(table_t[pos // B] * B + pos % B)
-            # Consecutive pages (the common case for a request allocated alone) are read in place, without a gather.
-            runs.append(table[0] * B if table and table == list(range(table[0], table[0] + len(table))) else None)
+        pages = PageTables(block_tables, pools.block_size, device)
+        for cap, s, n in zip(pages.capacity, start, lengths, strict=True):
+            assert s + n <= cap, "the scheduler allocates pages before the forward"
         num_kda = sum(kind == "kda" for kind, _ in pools.layer_slots)
         self.records: list[list[VerifyStep]] | None = [[] for _ in range(num_kda)] if verify else None
         self.layers = []
@@ -92,7 +107,7 @@ class PagedCache:
                 recs = self.records[index] if self.records is not None else None
                 self.layers.append(KDASlotView(pools, index, slots_N, recs))
             else:
-                self.layers.append(MLAPageView(pools, index, flat_index, start, runs))
+                self.layers.append(MLAPageView(pools, index, pages, start))
 
     def advance(self, seq_lens: list[int]) -> None:
         """The engine keeps the token counters (Request.num_computed); nothing to do here."""

@@ -135,8 +135,8 @@ def cmd_serve(args) -> int:
     from openk3.serve.async_engine import AsyncLLM
     from openk3.serve.server import build_app
 
-    engine, template, ckpt = _engine_from_args(args)
-    name = args.model_name or os.path.basename(os.path.normpath(ckpt))
+    engine, template, _ = _engine_from_args(args)
+    name = args.model_name or os.path.basename(os.path.normpath(args.ckpt))
     llm = AsyncLLM(engine, max_waiting=args.max_waiting)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (chat template: {template.name})", file=sys.stderr)
     try:

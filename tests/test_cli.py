@@ -63,3 +63,43 @@ def test_console_script_entry_point(tmp_path):
     out = subprocess.run([sys.executable, "-m", "openk3.cli", "info", "--preset", "tiny"], capture_output=True,
                          text=True, check=True)  # fmt: skip
     assert "parameters" in out.stdout
+
+
+def test_chat_reads_stdin_and_streams_answers(tmp_path, monkeypatch, capsys):
+    import io
+
+    assert main(["init", "--preset", "tiny", "--out", str(tmp_path)]) == 0
+    assert main(["chat", "--ckpt", str(tmp_path), "--show-template"]) == 0
+    assert "### Assistant:" in capsys.readouterr().out
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n/reset\nagain\n/exit\n"))
+    assert main(["chat", "--ckpt", str(tmp_path), "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("k3> ") == 2  # two answers; /reset and /exit are commands
+
+
+def test_serve_command_answers_http(tmp_path):
+    import socket
+    import time
+
+    import httpx2
+
+    assert main(["init", "--preset", "tiny", "--out", str(tmp_path)]) == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "openk3.cli", "serve", "--ckpt", str(tmp_path), "--port", str(port),
+                             "--model-name", "tiny", "--max-model-len", "256"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx2.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx2.TransportError:
+                time.sleep(0.1)
+        r = httpx2.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "def", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

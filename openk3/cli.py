@@ -318,7 +318,7 @@ def cmd_tokenizer_train(args) -> int:
     return 0
 
 
-BENCHMARKS = {"kda": "openk3.bench.kda", "serve": "openk3.bench.serve"}
+BENCHMARKS = {"kda": "openk3.bench.kda", "serve": "openk3.bench.serve", "ep": "openk3.bench.ep"}
 
 
 def cmd_plan(args) -> int:
@@ -446,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--show-template", action="store_true", help="print the chat template and exit")
             p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("bench", help="benchmarks: kda, serve")
+    p = sub.add_parser("bench", help="benchmarks: kda, serve, ep")
     p.add_argument("which", choices=sorted(BENCHMARKS))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     p.set_defaults(func=cmd_bench)

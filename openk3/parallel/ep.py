@@ -1,0 +1,93 @@
+"""Expert parallelism: the experts of every StableLatentMoE are split evenly over the ranks of an `ep` process
+group, and the layer's `dispatcher` swap point is replaced by an all-to-all one. The model code is unchanged.
+
+    dispatch: each (token, slot) pair's latent row goes to the rank owning its expert (rank = e // E_local), rows
+              sorted by expert id so each destination's block is contiguous; counts are exchanged first
+    compute:  every rank runs its local experts once on the rows it received
+    combine:  results travel back by the reverse all-to-all; each token adds its k weighted outputs in fp32 in
+              ascending expert id, the order `local_dispatch` uses
+
+The row all-to-alls are autograd functions (the backward is the reverse all-to-all), so gradients reach both the
+tokens' owners and the experts' owners. Expert gradients then sum contributions from every EP rank's tokens; the
+trainer's loss normalisation must account for that (`expert_grad_scale`).
+
+Legend: T tokens, k experts per token, P = T*k (token, slot) pairs, L latent width, E experts, R ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.nn.functional import all_to_all_single
+
+from openk3.model.moe import GroupedExperts, StableLatentMoE
+
+
+class AllToAllDispatcher:
+    def __init__(self, group: dist.ProcessGroup, num_experts: int):
+        self.group = group
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        if num_experts % self.world:
+            raise ValueError(f"ep degree {self.world} must divide num_experts {num_experts}")
+        self.num_local = num_experts // self.world
+
+    def _exchange_counts(self, send_R: torch.Tensor) -> torch.Tensor:
+        recv_R = torch.empty_like(send_R)
+        dist.all_to_all_single(recv_R, send_R, group=self.group)
+        return recv_R
+
+    def __call__(self, z_TL: torch.Tensor, idx_Tk: torch.Tensor, w_Tk: torch.Tensor, experts: GroupedExperts):
+        T, k = idx_Tk.shape
+        flat_P = idx_Tk.reshape(-1)
+        order_P = torch.argsort(flat_P, stable=True)  # pairs by expert, hence by destination rank
+        expert_P = flat_P[order_P]
+        send_R = torch.bincount(expert_P // self.num_local, minlength=self.world)
+        recv_R = self._exchange_counts(send_R)
+        send, recv = send_R.tolist(), recv_R.tolist()
+        rows_PL = z_TL[order_P // k]
+        recv_rows = all_to_all_single(rows_PL.new_empty(sum(recv), rows_PL.shape[-1]), rows_PL, recv, send, self.group)
+        recv_expert = torch.empty(sum(recv), dtype=expert_P.dtype, device=expert_P.device)
+        dist.all_to_all_single(recv_expert, expert_P.contiguous(), recv, send, group=self.group)
+        local = recv_expert - self.rank * self.num_local
+        by_expert = torch.argsort(local, stable=True)
+        counts = torch.bincount(local, minlength=self.num_local).tolist()
+        rows_sorted, outs, start = recv_rows[by_expert], [], 0
+        for e, n in enumerate(counts):
+            if n:
+                outs.append(experts.expert_forward(e, rows_sorted[start : start + n]))
+                start += n
+        out_sorted = torch.cat(outs) if outs else recv_rows.new_zeros(0, recv_rows.shape[-1])
+        out_recv = out_sorted[torch.argsort(by_expert)]
+        back_PL = all_to_all_single(rows_PL.new_empty(rows_PL.shape[0], out_recv.shape[-1]), out_recv, send, recv,
+                                    self.group)  # fmt: skip
+        out_TkL = back_PL[torch.argsort(order_P)].view(T, k, -1).float() * w_Tk.unsqueeze(-1)
+        y_TL = out_TkL[:, 0]
+        for j in range(1, k):
+            y_TL = y_TL + out_TkL[:, j]
+        return y_TL.to(z_TL.dtype)
+
+
+def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> int:
+    """Keep only this rank's slice of every MoE layer's experts and swap in the all-to-all dispatcher. Returns the
+    number of MoE layers changed."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, StableLatentMoE):
+            dispatcher = AllToAllDispatcher(group, module.experts.w1.shape[0])
+            lo, hi = rank * dispatcher.num_local, (rank + 1) * dispatcher.num_local
+            for name in ("w1", "w2", "w3"):
+                full = getattr(module.experts, name)
+                setattr(module.experts, name, nn.Parameter(full.detach()[lo:hi].clone(), full.requires_grad))
+            module.dispatcher = dispatcher
+            module.expert_range = (lo, hi)
+            changed += 1
+    assert world >= 1
+    return changed
+
+
+def expert_grad_scale(ep_degree: int) -> float:
+    """Each expert's gradient sums the per-rank losses of all `ep_degree` ranks that sent it tokens; with every rank's
+    loss a mean over its own tokens (equal counts), the global-mean gradient is that sum divided by the degree."""
+    return 1.0 / ep_degree

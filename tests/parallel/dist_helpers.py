@@ -1,0 +1,41 @@
+"""Multi-process test harness: spawn N gloo ranks on CPU (one thread each) and collect what each returns."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results[rank] = fn(rank, world, *args)
+    except BaseException:
+        results[rank] = RuntimeError(traceback.format_exc())
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args) -> list:
+    """Run `fn(rank, world, *args)` on `world` gloo ranks; returns every rank's result (re-raising a rank's error)."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_entry, args=(world, free_port(), fn, args, results), nprocs=world, join=True)
+        out = [results[r] for r in range(world)]
+    for r in out:
+        if isinstance(r, BaseException):
+            raise r
+    return out

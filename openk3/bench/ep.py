@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--ranks: {R} does not divide the {E} experts")
         T = R * tokens
 
-        def batch() -> torch.Tensor:
+        def batch(T: int = T) -> torch.Tensor:
             return torch.sigmoid(torch.randn(T, E, generator=gen) + popularity_E)
 
         bias_E = torch.zeros(E)

@@ -8,8 +8,9 @@ group, and the layer's `dispatcher` swap point is replaced by an all-to-all one.
               ascending expert id, the order `local_dispatch` uses
 
 The row all-to-alls are autograd functions (the backward is the reverse all-to-all), so gradients reach both the
-tokens' owners and the experts' owners. Expert gradients then sum contributions from every EP rank's tokens; the
-trainer's loss normalisation must account for that (`expert_grad_scale`).
+tokens' owners and the experts' owners. An expert's gradient sums the losses of every EP rank that sent it tokens;
+with each rank's loss a mean over its own tokens (the data-parallel convention), the global-mean gradient is that
+sum over the EP degree, so the dispatcher scales the expert weights' gradients by 1 / ep (`_GradScale`).
 
 Legend: T tokens, k experts per token, P = T*k (token, slot) pairs, L latent width, E experts, R ranks.
 """
@@ -22,6 +23,27 @@ from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
 
 from openk3.model.moe import GroupedExperts, StableLatentMoE
+from openk3.ops.situ import situ_glu
+
+
+class _GradScale(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `scale` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def _expert_forward(experts: GroupedExperts, e: int, z_nL: torch.Tensor, scale: float) -> torch.Tensor:
+    """`GroupedExperts.expert_forward` with the expert's weight gradients scaled by `scale`."""
+    w1, w3, w2 = (_GradScale.apply(w[e], scale) for w in (experts.w1, experts.w3, experts.w2))
+    h = situ_glu(z_nL @ w1.t(), z_nL @ w3.t(), experts.beta, experts.linear_beta)
+    return h @ w2.t()
 
 
 class AllToAllDispatcher:
@@ -55,7 +77,7 @@ class AllToAllDispatcher:
         rows_sorted, outs, start = recv_rows[by_expert], [], 0
         for e, n in enumerate(counts):
             if n:
-                outs.append(experts.expert_forward(e, rows_sorted[start : start + n]))
+                outs.append(_expert_forward(experts, e, rows_sorted[start : start + n], 1.0 / self.world))
                 start += n
         out_sorted = torch.cat(outs) if outs else recv_rows.new_zeros(0, recv_rows.shape[-1])
         out_recv = out_sorted[torch.argsort(by_expert)]
@@ -85,9 +107,3 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> int:
             changed += 1
     assert world >= 1
     return changed
-
-
-def expert_grad_scale(ep_degree: int) -> float:
-    """Each expert's gradient sums the per-rank losses of all `ep_degree` ranks that sent it tokens; with every rank's
-    loss a mean over its own tokens (equal counts), the global-mean gradient is that sum divided by the degree."""
-    return 1.0 / ep_degree

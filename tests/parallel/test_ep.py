@@ -35,7 +35,7 @@ def loss_and_grads(model, ids):
 
 
 def ep_rank(rank: int, world: int):
-    from openk3.parallel.ep import apply_expert_parallel, expert_grad_scale
+    from openk3.parallel.ep import apply_expert_parallel
 
     model = two_layer_model()
     assert apply_expert_parallel(model, dist.group.WORLD) == 1
@@ -44,9 +44,7 @@ def ep_rank(rank: int, world: int):
     dist.all_reduce(loss)
     moe = model.model.layers[1].block_sparse_moe
     for name, g in grads.items():
-        if ".experts." in name:
-            g.mul_(expert_grad_scale(world))  # local experts: the sum over every rank's tokens
-        else:
+        if ".experts." not in name:  # dense: average over ranks; local experts already hold the global gradient
             dist.all_reduce(g)
             g.div_(world)
     return float(loss) / world, grads, moe.expert_range

@@ -7,7 +7,8 @@ into one 1-D mesh when both are > 1; the 2-D hybrid-sharding form failed on gloo
 embedding inputs); its reduction averages the gradients over them, matching a global-mean loss when every rank's loss is a mean over equally many
 tokens. The routed experts are left out of FSDP2: GroupedExperts is called through `expert_forward`, not `forward`,
 so FSDP2's unshard hooks would never fire for it. Under ep they are already split; over dp they are replicated,
-and `sync_expert_grads` averages their gradients after backward.
+and `sync_expert_grads` averages their gradients after backward. The router biases stay out too: quantile
+balancing writes them identically on every rank (train/balance.py all-reduces its histograms over the data ranks).
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for name, p in model.named_parameters() if ".experts.w" in name]
 
 
+def router_biases(model: nn.Module) -> list[nn.Parameter]:
+    """Quantile balancing overwrites these on every rank alike (from all-reduced histograms); they have no
+    gradient, so they stay plain replicated tensors outside FSDP2."""
+    return [p for name, p in model.named_parameters() if name.endswith("e_score_correction_bias")]
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims) -> nn.Module:
     if dims.cp > 1:
         raise ValueError("context parallelism (--cp > 1) is not built yet")
@@ -35,7 +42,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims) -> nn.Mo
             dense_mesh = mesh["dp", "ep"]._flatten("dp_ep")  # one 1-D shard group over every data rank
         else:
             dense_mesh = mesh["dp"] if dims.dp > 1 else mesh["ep"]
-        ignored = set(expert_parameters(model))
+        ignored = set(expert_parameters(model)) | set(router_biases(model))
         for layer in model.model.layers:
             fully_shard(layer, mesh=dense_mesh, ignored_params=ignored)
         fully_shard(model, mesh=dense_mesh, ignored_params=ignored)

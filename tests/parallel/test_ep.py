@@ -6,11 +6,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_helpers import run_ranks
 
 from openk3 import K3Config, K3ForCausalLM
 from openk3.utils import rel_rms
-
-from dist_helpers import run_ranks
 
 
 def two_layer_model() -> K3ForCausalLM:

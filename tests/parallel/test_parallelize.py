@@ -6,12 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from dist_helpers import run_ranks
+from test_ep import batch, loss_and_grads, two_layer_model
 
 from openk3.model.batch import ForwardBatch
 from openk3.utils import rel_rms
-
-from dist_helpers import run_ranks
-from test_ep import batch, loss_and_grads, two_layer_model
 
 
 def packed_loss_and_grads(model, ids):
@@ -60,3 +59,35 @@ def test_parallel_layouts_match_single_process(dp, ep, packed):
             if ".experts." in name and expert_range is not None:
                 want = want[expert_range[0] : expert_range[1]]
             assert rel_rms(g, want) <= 1e-5, name
+
+
+def balance_rank(rank: int, world: int, dp: int, ep: int):
+    from openk3.parallel.dims import ParallelDims
+    from openk3.parallel.parallelize import parallelize
+    from openk3.train.balance import Balancer
+
+    dims = ParallelDims(dp=dp, ep=ep)
+    mesh = dims.build_mesh("cpu")
+    model = parallelize(two_layer_model(), mesh, dims)
+    balancer = Balancer(model, "quantile", process_group=dist.group.WORLD)
+    with balancer.collecting():
+        loss_and_grads(model, batch().chunk(dims.data_ranks)[rank])
+    metrics = balancer.step()
+    bias = model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias.detach().clone()
+    return bias, metrics["bin_width_per_layer"][0]
+
+
+@pytest.mark.parametrize(("dp", "ep"), [(2, 1), (2, 2)])
+def test_quantile_biases_agree_across_ranks_and_with_single_process(dp, ep):
+    from openk3.train.balance import Balancer
+
+    model = two_layer_model()
+    balancer = Balancer(model, "quantile")
+    with balancer.collecting():
+        loss_and_grads(model, batch())
+    balancer.step()
+    want = model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias.detach()
+    results = run_ranks(dp * ep, balance_rank, dp, ep)
+    for bias, width in results:
+        assert torch.equal(bias, results[0][0])  # bitwise identical on every rank
+        assert (bias - want).abs().max() <= width  # within one histogram bin of the single process

@@ -69,3 +69,16 @@ def full_state_dict(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDim
                 dist.all_gather(parts, p.detach().contiguous(), group=group)
                 state[name] = torch.cat(parts)
     return state
+
+
+def export_pretrained(model: nn.Module, path: str, mesh: DeviceMesh | None, dims: ParallelDims) -> None:
+    """Write the official checkpoint format (config.json + safetensors under the release's names) from a sharded
+    run: every rank joins the gathers, rank 0 builds a plain model from the full state and saves it."""
+    state = full_state_dict(model, mesh, dims)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    # fully_shard swaps the module's class for an FSDP subclass; the first openk3 class in its MRO is the model's own.
+    cls = next(c for c in type(model).__mro__ if c.__module__.startswith("openk3."))
+    plain = cls(model.config)
+    plain.load_state_dict(state)
+    plain.save_pretrained(path)

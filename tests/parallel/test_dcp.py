@@ -17,7 +17,7 @@ def next_batch() -> torch.Tensor:
 
 
 def _run(rank: int, world: int, dp: int, ep: int, path: str, save: bool):
-    from openk3.parallel.checkpoint import full_state_dict, load_distributed, save_distributed
+    from openk3.parallel.checkpoint import export_pretrained, full_state_dict, load_distributed, save_distributed
     from openk3.parallel.dims import ParallelDims
     from openk3.parallel.parallelize import parallelize, sync_expert_grads
 
@@ -34,6 +34,7 @@ def _run(rank: int, world: int, dp: int, ep: int, path: str, save: bool):
             sync_expert_grads(model, mesh, dims)
         torch.optim.SGD(model.parameters(), lr=0.1).step()
         save_distributed(model, path, mesh, dims)
+        export_pretrained(model, path + "-hf", mesh, dims)
     else:
         load_distributed(model, path, mesh, dims)
     model.zero_grad(set_to_none=True)
@@ -54,3 +55,9 @@ def test_save_at_4_load_at_1_and_2(tmp_path):
             for name, w in weights.items():
                 assert torch.equal(w, weights4[name]), (world, name)
             assert rel_rms(torch.tensor(loss), torch.tensor(loss4)) <= 1e-5
+    # The official-format export from the sharded run loads in the plain model with the same weights.
+    from openk3 import K3ForCausalLM
+
+    exported = K3ForCausalLM.from_pretrained(path + "-hf", dtype=torch.float32).state_dict()
+    for name, w in weights4.items():
+        assert torch.equal(exported[name], w), name

@@ -53,6 +53,9 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.empty(K))  # one gated-RMSNorm weight shared by every head
         self.o_proj = nn.Linear(P, D, bias=False)
+        # Swap point for context parallelism (parallel/cp.py): a callable (layer, x_TD, batch) -> out_TD that runs this
+        # layer on one rank's contiguous shard of each sequence, from the layer's own pieces below.
+        self.context_parallel = None
 
     def _conv(self, x_TP: torch.Tensor, conv: ShortConvolution, tail: torch.Tensor | None, batch: ForwardBatch):
         """Conv over each sequence (restarting at its start or continuing from its cached tail)."""
@@ -96,6 +99,8 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(o_THV.reshape(T, H * K))
 
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: KDAState | None = None) -> torch.Tensor:
+        if self.context_parallel is not None:
+            return self.context_parallel(self, x_TD, batch)
         if batch.verify:
             return self._verify(x_TD, batch, cache)
         T, H, K = x_TD.shape[0], self.num_heads, self.head_dim

@@ -46,6 +46,8 @@ class GatedMLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
         self.g_proj = nn.Linear(D, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
+        # Swap point for context parallelism (parallel/cp.py): (layer, x_TD, batch) -> out_TD on one rank's shard.
+        self.context_parallel = None
 
     def latent(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The cached per-token latent [c_n ; k_pe], [T, R]."""
@@ -77,8 +79,10 @@ class GatedMLA(nn.Module):
         return torch.einsum("hr,hvr->hv", o_lat_HR, w_HXR[:, self.nope :]).to(q_HD.dtype)[None]
 
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: MLACache | None = None) -> torch.Tensor:
+        if self.context_parallel is not None:
+            return self.context_parallel(self, x_TD, batch)
         T = x_TD.shape[0]
-        q_THD = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD))).view(T, self.num_heads, self.nope + self.rope)
+        q_THD = self.queries(x_TD)
         latent_TR = self.latent(x_TD)
         if cache is None and batch.uniform:
             # Whole equal-length sequences (training, plain prefill): one batched causal attention.
@@ -103,5 +107,14 @@ class GatedMLA(nn.Module):
                 k, v = self.expand(full_SR)
                 outs.append(causal_attention(q_THD[start:end], k, v, self.scale))
             attn_THV = torch.cat(outs, dim=0)
-        gated = attn_THV.reshape(T, -1) * torch.sigmoid(self.g_proj(x_TD))
+        return self.output(attn_THV, x_TD)
+
+    def queries(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """[T, H, nope + rope]."""
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD)))
+        return q.view(x_TD.shape[0], self.num_heads, self.nope + self.rope)
+
+    def output(self, attn_THV: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
+        """The sigmoid output gate and o_proj: [T, H, Dv] -> [T, D]."""
+        gated = attn_THV.reshape(x_TD.shape[0], -1) * torch.sigmoid(self.g_proj(x_TD))
         return self.o_proj(gated)

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from openk3.utils import rel_rms
-
 from dist_helpers import run_ranks
 from test_ep import loss_and_grads, two_layer_model
+
+from openk3.utils import rel_rms
 
 
 def next_batch() -> torch.Tensor:
@@ -17,11 +16,11 @@ def next_batch() -> torch.Tensor:
 
 
 def _run(rank: int, world: int, dp: int, ep: int, path: str, save: bool):
+    from test_ep import batch
+
     from openk3.parallel.checkpoint import export_pretrained, full_state_dict, load_distributed, save_distributed
     from openk3.parallel.dims import ParallelDims
     from openk3.parallel.parallelize import parallelize, sync_expert_grads
-
-    from test_ep import batch
 
     dims = ParallelDims(dp=dp, ep=ep)
     mesh = dims.build_mesh("cpu") if world > 1 else None

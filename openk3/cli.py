@@ -27,6 +27,7 @@ import torch
 from openk3.config import PRESETS, K3Config
 from openk3.data.tokenizer import load_tokenizer
 from openk3.model.model import K3ForCausalLM
+from openk3.train.flags import add_train_arguments, config_from_args
 from openk3.utils import to_dtype
 
 
@@ -214,63 +215,14 @@ def cmd_demo(args) -> int:
     return 0
 
 
-# `k3 train` flags: (flag, TrainConfig field, type, help). Defaults live in TrainConfig; a flag left out keeps the
-# default, or on --resume the value the run was started with.
-TRAIN_FLAGS = [
-    ("--preset", "preset", str, "model preset: tiny, small, k3"),
-    ("--data", "data", str, "stdlib (default), mqar, needle, copy, recall, or a path: text file, folder, JSONL with 'text'"),
-    ("--tokenizer", "tokenizer", str, "bpe (trained on the corpus, saved with the checkpoint) or byte"),
-    ("--steps", "steps", int, "total optimizer steps of the run (the schedule's length)"),
-    ("--stop-after", "stop_after", int, "stop cleanly once this many steps are done (schedule unchanged)"),
-    ("--seed", "seed", int, "seed for weights, data order and evaluation"),
-    ("--balance", "balance", str, "router-bias balancing: quantile (K3), sign (DeepSeek-V3) or none"),
-    ("--balance-bins", "balance_bins", int, "quantile-balancing histogram bins (K3: 1000)"),
-    ("--batch-size", "batch_size", int, "global batch in sequences of the final length"),
-    ("--micro-batch-size", "micro_batch_size", int, "sequences per forward/backward (gradient accumulation)"),
-    ("--seq-len", "seq_len", int, "final sequence length of the curriculum"),
-    ("--curriculum", "curriculum", float, "fraction of steps at seq_len // 4 before the full length (0 disables)"),
-    ("--lr", "lr", float, "peak learning rate"),
-    ("--schedule", "schedule", str, "wsd (warmup-stable-decay) or cosine"),
-    ("--warmup", "warmup", float, "warmup fraction of the steps"),
-    ("--weight-decay", "weight_decay", float, "AdamW weight decay on matrices"),
-    ("--grad-clip", "grad_clip", float, "global gradient-norm clip"),
-    ("--device", "device", str, "auto, cpu, cuda, cuda:1, ..."),
-    ("--precision", "precision", str, "auto (bf16 autocast on CUDA), fp32 or bf16"),
-    ("--eval-every", "eval_every", int, "evaluate every N steps (and at the end)"),
-    ("--eval-batches", "eval_batches", int, "validation batches per evaluation"),
-    ("--save-every", "save_every", int, "checkpoint every N steps (and at the end)"),
-    ("--keep-checkpoints", "keep_checkpoints", int, "complete checkpoints to keep"),
-    ("--max-nonfinite", "max_nonfinite", int, "non-finite steps in a row before stopping"),
-    ("--sample-tokens", "sample_tokens", int, "tokens of the sample printed after training (0: none)"),
-]
-
-
-def _train_config(args):
-    import dataclasses
-    import os
-
-    from openk3.train.config import TrainConfig
-
-    given = {field: getattr(args, field) for _, field, _, _ in TRAIN_FLAGS if getattr(args, field) is not None}
-    given.update(out=args.out, resume=args.resume, activation_checkpointing=args.activation_checkpointing or None,
-                 balance_exact_thresholds=args.balance_exact_thresholds or None, progress=not args.no_progress)  # fmt: skip
-    given = {k: v for k, v in given.items() if v is not None}
-    saved_file = os.path.join(args.out, "train_config.json")
-    if args.resume and os.path.exists(saved_file):
-        saved = dataclasses.asdict(TrainConfig.from_file(saved_file))
-        for key, value in given.items():
-            if key not in ("steps", "stop_after", "resume", "progress", "out") and saved.get(key) != value:
-                print(f"k3 train: note: --resume changes {key} from {saved.get(key)!r} to {value!r}", file=sys.stderr)
-        saved.update(given)
-        saved["stop_after"] = given.get("stop_after")
-        return TrainConfig(**saved)
-    return TrainConfig(**given)
 
 
 def cmd_train(args) -> int:
     from openk3.train.trainer import NonFiniteError, Trainer
 
-    cfg = _train_config(args)
+    if args.nproc > 1:
+        return _launch_torchrun(args.nproc, args.argv)
+    cfg = config_from_args(args)
     try:
         trainer = Trainer(cfg)
         summary = trainer.run()
@@ -284,6 +236,24 @@ def cmd_train(args) -> int:
     if trainer.step >= cfg.steps and cfg.sample_tokens > 0:
         print("sample:", repr(trainer.data.sample(trainer.model, cfg.sample_tokens)))
     return 0
+
+
+def _launch_torchrun(nproc: int, argv: list[str]) -> int:
+    """`k3 train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m openk3.train ...` (same flags)."""
+    import subprocess
+
+    argv = argv[argv.index("train") + 1 :]
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "openk3.train", *rest]  # fmt: skip
+    return subprocess.call(cmd)
 
 
 def cmd_plot(args) -> int:
@@ -377,15 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("train", help="train a K3 model (resumable)")
-    for flag, field, typ, text in TRAIN_FLAGS:
-        p.add_argument(flag, dest=field, type=typ, default=None, help=text)
-    p.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl, train_config.json")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out up to --steps")
-    p.add_argument("--activation-checkpointing", action="store_true", help="recompute activations in backward")
-    p.add_argument("--balance-exact-thresholds", action="store_true",
-                   help="quantile balancing with exact per-entry thresholds (spec §2.4 refinement, not K3's rule)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = sub.add_parser("train", help="train a K3 model (resumable; --nproc N runs N processes with torchrun)")
+    add_train_arguments(p)
+    p.add_argument("--nproc", type=int, default=1, help="processes on this machine (launches torchrun)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("plot", help="PNG plots of a run (loss, MaxVio, expert load)")
@@ -455,7 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as err:

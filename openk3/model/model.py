@@ -67,9 +67,11 @@ class K3DecoderLayer(nn.Module):
         return attn_res_mix(bank, partial, norm.weight, proj.weight, norm.eps)
 
     def forward(self, partial_TD: torch.Tensor, bank: list[torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+        """One layer; `bank` is read, never mutated (K3Model appends the finished block after the call): wrappers
+        such as FSDP2 may hand the layer a copy of its arguments."""
         h = self._mix(bank, partial_TD, self.self_attention_res_norm, self.self_attention_res_proj) if bank else partial_TD
         if self.block_start:
-            bank.append(partial_TD)
+            bank = [*bank, partial_TD]
         cache = batch.cache.layers[self.layer_idx] if batch.cache is not None else None
         a = self.self_attn(self.input_layernorm(h), batch, cache)
         partial_TD = a if self.block_start else partial_TD + a
@@ -93,7 +95,10 @@ class K3Model(nn.Module):
         partial_TD = self.embed_tokens(batch.input_ids_T)
         bank: list[torch.Tensor] = []
         for layer in self.layers:
-            partial_TD = layer(partial_TD, bank, batch)
+            out_TD = layer(partial_TD, bank, batch)
+            if layer.block_start:
+                bank.append(partial_TD)  # the incoming partial sum: a finished block
+            partial_TD = out_TD
         y = attn_res_mix(bank, partial_TD, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
                          self.output_attn_res_norm.eps)  # fmt: skip
         return self.norm(y)

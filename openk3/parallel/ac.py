@@ -1,8 +1,8 @@
 """Activation checkpointing, applied from outside the model: each decoder layer's mixer (KDA or MLA) and FFN
 (dense or MoE) recompute their activations in backward instead of storing them.
 
-Only the mixer and FFN are wrapped, not whole layers: a layer appends to the AttnRes bank (a Python list), which a
-recomputed forward would append to twice. The forwards are replaced per instance, so parameter names and the
+Only the mixer and FFN are wrapped, not whole layers: the AttnRes bank (a Python list of earlier blocks) is an
+argument of the layer, which a recomputation would have to capture too. The forwards are replaced per instance, so parameter names and the
 checkpoint layout do not change. Forward code that observes the MoE router (quantile balancing) runs again during
 recomputation; observers must ignore calls outside the training forward (train/balance.py does).
 """

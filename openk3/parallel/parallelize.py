@@ -2,9 +2,8 @@
 (torchtitan's pattern): expert parallelism (swap the MoE dispatcher, keep the local experts), then FSDP2 over the
 dense parameters. The model code never learns about ranks.
 
-FSDP2 (`fully_shard`) shards every dense parameter over the ranks that see different sequences, dp x ep (flattened
-into one 1-D mesh when both are > 1; the 2-D hybrid-sharding form failed on gloo with mixed Tensor/DTensor
-embedding inputs); its reduction averages the gradients over them, matching a global-mean loss when every rank's loss is a mean over equally many
+FSDP2 (`fully_shard`) shards every dense parameter over all ranks that hold distinct tokens, dp x ep x cp
+(flattened into one 1-D mesh); its reduction averages the gradients over them, matching a global-mean loss when every rank's loss is a mean over equally many
 tokens. The routed experts are left out of FSDP2: GroupedExperts is called through `expert_forward`, not `forward`,
 so FSDP2's unshard hooks would never fire for it. Under ep they are already split; over dp they are replicated,
 and `sync_expert_grads` averages their gradients after backward. The router biases stay out too: quantile
@@ -32,16 +31,27 @@ def router_biases(model: nn.Module) -> list[nn.Parameter]:
     return [p for name, p in model.named_parameters() if name.endswith("e_score_correction_bias")]
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims) -> nn.Module:
-    if dims.cp > 1:
-        raise ValueError("context parallelism (--cp > 1) is not built yet")
+def _mesh_over(mesh: DeviceMesh, dims: ParallelDims, names: tuple[str, ...]) -> DeviceMesh | None:
+    """The sub-mesh over the named dimensions that are > 1 (flattened to 1-D), or None if all are 1."""
+    used = tuple(n for n in names if getattr(dims, n) > 1)
+    if not used:
+        return None
+    return mesh[used[0]] if len(used) == 1 else mesh[used]._flatten("_".join(used))
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims, cp=None) -> nn.Module:
+    """Apply EP, CP (`cp`: a parallel.cp.ContextParallel over mesh["cp"], required when dims.cp > 1) and FSDP2."""
     if dims.ep > 1:
         apply_expert_parallel(model, mesh["ep"].get_group())
-    if dims.data_ranks > 1:
-        if dims.dp > 1 and dims.ep > 1:
-            dense_mesh = mesh["dp", "ep"]._flatten("dp_ep")  # one 1-D shard group over every data rank
-        else:
-            dense_mesh = mesh["dp"] if dims.dp > 1 else mesh["ep"]
+    if dims.cp > 1:
+        if cp is None:
+            raise ValueError("dims.cp > 1 needs a ContextParallel over the cp mesh dimension")
+        from openk3.parallel.cp import apply_context_parallel
+
+        apply_context_parallel(model, cp)
+    # Dense gradients are summed over every rank that holds distinct tokens: dp x ep rows and cp positions.
+    dense_mesh = _mesh_over(mesh, dims, ("dp", "ep", "cp"))
+    if dense_mesh is not None:
         ignored = set(expert_parameters(model)) | set(router_biases(model))
         for layer in model.model.layers:
             fully_shard(layer, mesh=dense_mesh, ignored_params=ignored)
@@ -52,11 +62,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims) -> nn.Mo
 
 
 def sync_expert_grads(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims) -> None:
-    """Average the routed experts' gradients over dp (their replicas); call after backward."""
-    if dims.dp == 1:
+    """Average the routed experts' gradients over their replicas (dp and cp ranks); call after backward."""
+    replicas = _mesh_over(mesh, dims, ("dp", "cp"))
+    if replicas is None:
         return
-    group = mesh["dp"].get_group()
+    group, n = replicas.get_group(), dims.dp * dims.cp
     for p in expert_parameters(model):
         if p.grad is not None:
             dist.all_reduce(p.grad, group=group)
-            p.grad.div_(dims.dp)
+            p.grad.div_(n)

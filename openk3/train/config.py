@@ -52,6 +52,9 @@ class TrainConfig:
     max_nonfinite: int = 5  # consecutive non-finite steps before training stops with a good checkpoint
     sample_tokens: int = 64  # printed sample after training; 0 disables
     progress: bool = True
+    dp: int = 1  # parallel layout (openk3.parallel); dp x ep x cp = world size, under torchrun
+    ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         self.validate()

@@ -71,8 +71,9 @@ class Trainer:
         self.model.to(self.device).train()
         if cfg.activation_checkpointing:
             apply_activation_checkpointing(self.model)
+        self._parallelize()
         self.optimizer = build_optimizer(self.model, cfg)
-        self.balancer = Balancer(self.model, cfg.balance, num_bins=cfg.balance_bins,
+        self.balancer = Balancer(self.model, cfg.balance, num_bins=cfg.balance_bins, process_group=self._data_group(),
                                  exact_thresholds=cfg.balance_exact_thresholds)  # fmt: skip
         self.step, self.nonfinite_total, self.nonfinite_run, self.tokens_seen = 0, 0, 0, 0
         if ckpt is not None:
@@ -90,6 +91,24 @@ class Trainer:
                                                          trials=16, seed=cfg.seed, num_layers=len(self.balancer.layers))  # fmt: skip
         self.peak_gflops = matmul_gflops(self.device)
         self.active_params = self.model.num_parameters()[1]
+
+    # ---- hooks that the distributed trainer (train/distributed.py) overrides ----------------------------------
+    def _parallelize(self) -> None:
+        """Apply a parallel layout to the built model (before the optimizer sees its parameters)."""
+
+    def _data_group(self):
+        """The process group whose ranks hold distinct tokens (quantile-balancing statistics are summed over it)."""
+        return None
+
+    def _local_batch(self, b):
+        """This process's ForwardBatch and labels of a micro-batch, and the factor on its loss before backward."""
+        return ForwardBatch.from_rows(b.input_ids.to(self.device), b.doc_lens), b.labels.to(self.device), 1.0
+
+    def _global_loss(self, local: float) -> float:
+        return local
+
+    def _clip_gradients(self) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
 
     # ---- one optimizer step ----------------------------------------------------------------------------------
     def _autocast(self):
@@ -112,13 +131,14 @@ class Trainer:
         n_labels = sum(b.num_loss_tokens() for b in batches)
         total = 0.0
         for b in batches:
-            fb = ForwardBatch.from_rows(b.input_ids.to(self.device), b.doc_lens)
+            fb, labels, scale = self._local_batch(b)
             with self.balancer.collecting(), self._autocast():
                 logits = self.model.forward_batch(fb)
-                loss = lm_loss_sum(logits, b.labels.to(self.device).view(-1)) / max(n_labels, 1)
-            loss.backward()
+                loss = lm_loss_sum(logits, labels.reshape(-1)) / max(n_labels, 1)
+            (loss * scale).backward()
             total += loss.item()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip))
+        total = self._global_loss(total)
+        grad_norm = self._clip_gradients()
         finite = math.isfinite(total) and math.isfinite(grad_norm)
         row = {"step": step + 1, "loss": total, "lr": lr, "seq_len": seq_len, "grad_norm": grad_norm}
         if finite:

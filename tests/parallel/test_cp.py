@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from dist_helpers import run_ranks
+from test_ep import two_layer_model
+
 from openk3.model.batch import ForwardBatch
 from openk3.utils import rel_rms
-from test_ep import two_layer_model
 
 # Row length 23: cp=2 shards [12, 11], cp=4 shards [6, 6, 6, 5]. Row 0's middle document spans positions 3..17
 # (three ranks at cp=4); row 1's second document starts at 12 (the cp=2 boundary), row 2's at 6 (a cp=4 boundary).
@@ -34,7 +34,7 @@ def cp_rank(rank: int, world: int, length: int):
     model = two_layer_model()
     counter = CommCounter()
     cp = ContextParallel(dist.group.WORLD, counter)
-    assert apply_context_parallel(model, cp) == 2
+    assert apply_context_parallel(model, cp) == 4
     x, y = ids(length)[:, :-1], ids(length)[:, 1:]
     batch = cp.shard(x, docs(length))
     start, n = cp.layout.start, cp.layout.lengths[rank]
@@ -72,4 +72,4 @@ def test_kda_communication_does_not_grow_with_length():
     for kind in ("kda_summary", "conv_halo", "kda_summary_backward", "conv_halo_backward"):
         assert short[kind] == long[kind] > 0, kind
     assert long["mla_latent"] > short["mla_latent"]  # MLA's latents do grow: that is the other layer kind
-    print(f"bytes one rank contributes per step (1 KDA and 1 MLA layer): length 12 {short}, length 48 {long}")
+    print(f"bytes one rank contributes per step (3 KDA layers and 1 MLA layer): length 12 {short}, length 48 {long}")

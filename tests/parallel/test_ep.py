@@ -13,10 +13,12 @@ from openk3.utils import rel_rms
 
 
 def two_layer_model() -> K3ForCausalLM:
+    """Four layers, despite the name kept by the other tests: KDA, KDA, KDA, MLA, so that two AttnRes blocks start
+    (layers 0 and 3; a wrapper that copied the layer arguments once hid a lost block here), dense FFN then MoE."""
     config = K3Config.preset("tiny")
     text = config.text_config
-    text.num_hidden_layers, text.first_k_dense_replace = 2, 1
-    text.linear_attn_config.kda_layers, text.linear_attn_config.full_attn_layers = [1], [2]
+    text.num_hidden_layers, text.first_k_dense_replace = 4, 1
+    text.linear_attn_config.kda_layers, text.linear_attn_config.full_attn_layers = [1, 2, 3], [4]
     model = K3ForCausalLM(config)
     model.init_random_weights(0)
     return model
@@ -37,7 +39,7 @@ def ep_rank(rank: int, world: int):
     from openk3.parallel.ep import apply_expert_parallel
 
     model = two_layer_model()
-    assert apply_expert_parallel(model, dist.group.WORLD) == 1
+    assert apply_expert_parallel(model, dist.group.WORLD) == 3
     ids = batch().chunk(world)[rank]  # each rank routes its own tokens
     loss, grads = loss_and_grads(model, ids)
     dist.all_reduce(loss)

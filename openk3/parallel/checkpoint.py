@@ -16,6 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
@@ -25,16 +26,16 @@ from openk3.parallel.dims import ParallelDims
 
 
 def _expert_placements(dims: ParallelDims):
-    return [Replicate(), Shard(0)]
+    """Over the ("dp", "ep", "cp") mesh: replicated over dp and cp, split along the expert dimension over ep."""
+    return [Replicate(), Shard(0), Replicate()]
 
 
 def _distributed_state(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims) -> dict[str, torch.Tensor]:
     state = get_model_state_dict(model)
     if mesh is not None and dims.ep > 1:
-        sub = mesh["dp", "ep"]
         for name, p in model.named_parameters():
             if ".experts.w" in name:
-                state[name] = DTensor.from_local(p.detach(), sub, _expert_placements(dims), run_check=False)
+                state[name] = DTensor.from_local(p.detach(), mesh, _expert_placements(dims), run_check=False)
     return state
 
 
@@ -82,3 +83,37 @@ def export_pretrained(model: nn.Module, path: str, mesh: DeviceMesh | None, dims
     plain = cls(model.config)
     plain.load_state_dict(state)
     plain.save_pretrained(path)
+
+
+def _optimizer_state(model: nn.Module, optimizer, mesh: DeviceMesh | None, dims: ParallelDims):
+    """The optimizer state under parameter names, with the EP experts' moments as DTensors (see module doc)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer)
+    wrapped: list[tuple[dict, str]] = []
+    if mesh is not None and dims.ep > 1:
+        for name, entry in state["state"].items():
+            if ".experts.w" in name:
+                for key, t in entry.items():
+                    if isinstance(t, torch.Tensor) and t.dim() > 0:
+                        entry[key] = DTensor.from_local(t, mesh, [Replicate(), Shard(0), Replicate()], run_check=False)
+                        wrapped.append((entry, key))
+    return state, wrapped
+
+
+def save_optimizer(model: nn.Module, optimizer, path: str, mesh: DeviceMesh | None, dims: ParallelDims) -> None:
+    state, _ = _optimizer_state(model, optimizer, mesh, dims)
+    dcp.save({"optim": state}, checkpoint_id=path)
+
+
+def load_optimizer(model: nn.Module, optimizer, path: str, mesh: DeviceMesh | None, dims: ParallelDims) -> None:
+    """Fill `optimizer` (built on the model of this run's layout) from a DCP folder saved at any layout."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    state, wrapped = _optimizer_state(model, optimizer, mesh, dims)
+    # A parameter that never had a gradient (e.g. layer 0's first AttnRes mix, which an empty bank skips) has no
+    # saved moments; it keeps the zeros that get_optimizer_state_dict initialised.
+    dcp.load({"optim": state}, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
+    for entry, key in wrapped:
+        entry[key] = entry[key].to_local()
+    set_optimizer_state_dict(model, optimizer, state)

@@ -10,9 +10,9 @@ every layout trains on the same data.
   world size because FSDP2 averages; the logged loss is the all-reduced sum;
 - quantile-balancing histograms are all-reduced over all ranks (all hold distinct tokens), so the biases agree;
 - the gradient norm for clipping sums the FSDP shards over every rank and the expert shards over the ep ranks;
-- checkpoints are the gathered model in the official format, written by rank 0; evaluation runs the same batches on
-  every rank, with context parallelism switched off.
-Resuming a multi-process run is not supported yet (the optimizer state is not gathered): `--resume` raises.
+- checkpoints hold the gathered model in the official format (rank 0) and the optimizer as a DCP folder (every
+  rank); evaluation runs the same batches on every rank, with context parallelism switched off.
+`--resume` continues a run at any layout, including one process: the optimizer is saved through DCP.
 
 NCCL on CUDA, gloo on CPU.
 """
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from openk3.parallel.checkpoint import export_pretrained
+from openk3.parallel.checkpoint import export_pretrained, load_optimizer, save_optimizer
 from openk3.parallel.cp import ContextParallel
 from openk3.parallel.dims import ParallelDims
 from openk3.parallel.parallelize import expert_parameters, parallelize, sync_expert_grads
@@ -41,8 +41,6 @@ class DistributedTrainer(Trainer):
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.dims = ParallelDims(cfg.dp, cfg.ep, cfg.cp)
         self.dims.validate(self.world)
-        if cfg.resume:
-            raise ValueError("--resume of a multi-process run is not supported yet (its optimizer state is not saved)")
         if self.rank != 0:
             cfg.progress = False
         super().__init__(cfg, log=log if self.rank == 0 else (lambda *args, **kwargs: None))
@@ -55,8 +53,18 @@ class DistributedTrainer(Trainer):
         coords = self.mesh.get_coordinate()
         self.data_rank = coords[0] * self.dims.ep + coords[1]  # which share of the rows this rank takes
 
+    def _load_trainer_state(self, ckpt: str) -> dict:
+        if not os.path.isdir(os.path.join(ckpt, "optimizer-dcp")):
+            raise ValueError(f"{ckpt} has no optimizer-dcp folder; resume a one-process checkpoint in one process")
+        load_optimizer(self.model, self.optimizer, os.path.join(ckpt, "optimizer-dcp"), self.mesh, self.dims)
+        with open(os.path.join(ckpt, "trainer_state.json"), encoding="utf-8") as f:
+            return json.load(f)
+
     def _data_group(self):
         return dist.group.WORLD
+
+    def _writes_run_files(self) -> bool:
+        return self.rank == 0
 
     def _local_batch(self, b):
         rows = b.input_ids.shape[0]
@@ -122,16 +130,25 @@ class DistributedTrainer(Trainer):
                 m.context_parallel = fn
 
     def save(self) -> str:
-        """The gathered model, official format, plus the tokenizer, in checkpoints/step-N (rank 0 writes)."""
+        """checkpoints/step-N: the gathered model in the official format with its tokenizer (rank 0), the optimizer
+        as a DCP folder (every rank its shards; loads at any layout, one process included) and the trainer state."""
+        from openk3.train.trainer import _json_balancer
+
         root = os.path.join(self.run_dir, CHECKPOINTS)
         name = f"step-{self.step:08d}"
         tmp = os.path.join(root, f".tmp-{name}")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
         export_pretrained(self.model, tmp, self.mesh, self.dims)  # every rank joins the gathers
+        save_optimizer(self.model, self.optimizer, os.path.join(tmp, "optimizer-dcp"), self.mesh, self.dims)
         if self.rank == 0:
             self.data.tokenizer.save(tmp)
+            state = {"step": self.step, "data": self.data.state_dict(), "balancer": _json_balancer(self.balancer.state_dict()),
+                     "nonfinite_total": self.nonfinite_total, "tokens_seen": self.tokens_seen,
+                     "world_size": self.world, "layout": vars(self.dims)}  # fmt: skip
             with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
-                json.dump({"step": self.step, "world_size": self.world, "layout": vars(self.dims),
-                           "resumable": False, "tokens_seen": self.tokens_seen}, f, indent=1)  # fmt: skip
+                json.dump(state, f, indent=1)
             final = os.path.join(root, name)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -144,3 +161,7 @@ class DistributedTrainer(Trainer):
     def _append_metrics(self, row: dict) -> None:
         if self.rank == 0:
             super()._append_metrics(row)
+
+    def _truncate_metrics(self, step: int) -> None:
+        if self.rank == 0:
+            super()._truncate_metrics(step)

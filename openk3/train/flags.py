@@ -59,8 +59,13 @@ def config_from_args(args) -> TrainConfig:
     if args.resume and os.path.exists(saved_file):
         saved = dataclasses.asdict(TrainConfig.from_file(saved_file))
         for key, value in given.items():
-            if key not in ("steps", "stop_after", "resume", "progress", "out") and saved.get(key) != value:
+            if (
+                key not in ("steps", "stop_after", "resume", "progress", "out", "dp", "ep", "cp")
+                and saved.get(key) != value
+            ):
                 print(f"k3 train: note: --resume changes {key} from {saved.get(key)!r} to {value!r}", file=sys.stderr)
+        for key in ("dp", "ep", "cp"):  # the layout belongs to this launch, not to the run
+            saved[key] = given.get(key, 1)
         saved.update(given)
         saved["stop_after"] = given.get("stop_after")
         return TrainConfig(**saved)

@@ -77,14 +77,15 @@ class Trainer:
                                  exact_thresholds=cfg.balance_exact_thresholds)  # fmt: skip
         self.step, self.nonfinite_total, self.nonfinite_run, self.tokens_seen = 0, 0, 0, 0
         if ckpt is not None:
-            state = load_trainer_files(ckpt, self.optimizer)
+            state = self._load_trainer_state(ckpt)
             self.step = state["step"]
             self.nonfinite_total, self.tokens_seen = state["nonfinite_total"], state["tokens_seen"]
             self.data.load_state_dict(state["data"])
             self.balancer.load_state_dict(state["balancer"])
             self._truncate_metrics(self.step)
             log(f"resumed {self.run_dir} at step {self.step} from {ckpt}")
-        cfg.save(self.run_dir)
+        if self._writes_run_files():
+            cfg.save(self.run_dir)
         text = self.model.text_config
         # The reported max_vio is a max over MoE layers, so its floor is too.
         self.max_vio_floor = random_routing_maxvio_floor(cfg.tokens_per_step, text.num_experts, text.num_experts_per_token,
@@ -96,6 +97,10 @@ class Trainer:
     def _parallelize(self) -> None:
         """Apply a parallel layout to the built model (before the optimizer sees its parameters)."""
 
+    def _writes_run_files(self) -> bool:
+        """Whether this process writes train_config.json and metrics.jsonl (one process of a multi-process run)."""
+        return True
+
     def _data_group(self):
         """The process group whose ranks hold distinct tokens (quantile-balancing statistics are summed over it)."""
         return None
@@ -106,6 +111,18 @@ class Trainer:
 
     def _global_loss(self, local: float) -> float:
         return local
+
+    def _load_trainer_state(self, ckpt: str) -> dict:
+        """Optimizer, RNG and trainer state of checkpoint `ckpt`. A checkpoint written by a multi-process run holds
+        its optimizer as a torch.distributed.checkpoint folder, which loads at any layout, this one included."""
+        if os.path.isdir(os.path.join(ckpt, "optimizer-dcp")):
+            from openk3.parallel.checkpoint import load_optimizer
+            from openk3.parallel.dims import ParallelDims
+
+            load_optimizer(self.model, self.optimizer, os.path.join(ckpt, "optimizer-dcp"), None, ParallelDims())
+            with open(os.path.join(ckpt, "trainer_state.json"), encoding="utf-8") as f:
+                return json.load(f)
+        return load_trainer_files(ckpt, self.optimizer)
 
     def _clip_gradients(self) -> float:
         return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))

@@ -43,3 +43,18 @@ def test_multi_process_training_matches_one_process(single, layout, tmp_path, mo
         assert got["max_vio"] == want["max_vio"]
     model = K3ForCausalLM.from_pretrained(os.path.join(run, "checkpoints", "step-00000002"))
     assert model.num_parameters()[0] > 0
+
+
+def test_resume_at_another_layout(single, tmp_path, monkeypatch):
+    """Stop a 2 x 2 run after step 1, resume it with 2 processes and with 1: step 2 matches the uninterrupted run."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for resume_layout in (["--nproc", "2", "--dp", "2"], []):
+        run = str(tmp_path / f"run{len(resume_layout)}")
+        assert main(["train", *FLAGS, "--out", run, "--stop-after", "1", "--nproc", "4", "--dp", "2", "--ep", "2"]) == 0
+        assert os.path.isdir(os.path.join(run, "checkpoints", "step-00000001", "optimizer-dcp"))
+        layout = resume_layout or ["--dp", "1"]
+        assert main(["train", *FLAGS, "--out", run, "--resume", *layout]) == 0
+        rows = metrics(run)
+        assert [r["step"] for r in rows] == [1, 2]
+        for got, want in zip(rows, single):
+            assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (resume_layout, got["step"])

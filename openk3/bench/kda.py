@@ -1,7 +1,8 @@
 """`k3 bench kda`: KDA speed on this machine against the matmul limit, the baselines and softmax attention (issue #3).
 
 Owns the CPU benchmark of the KDA ops: for each shape, length T, input dtype and mode (forward, forward+backward)
-it times the recurrent reference (`kda_recurrent`), the fast chunked path (`kda_chunked`), the pre-K3 log-space
+it times the recurrent reference (`kda_recurrent`), the fast chunked path (`kda_chunked`; for bf16 inputs
+`kda_chunked_bf16`, the op with bf16 tile operands that issue #3's bf16 targets are about), the pre-K3 log-space
 baseline (`kda_chunked_logspace`), fla-core's pure-torch `naive_recurrent_kda` (loaded standalone, no triton) and
 causal softmax attention (`scaled_dot_product_attention`, same heads and width). It measures the machine's fp32 and
 bf16 matmul rates in the same run and reports each cell's achieved GFLOP/s as a fraction of them, peak memory
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 
 from openk3.ops.kda import kda_chunked, kda_gate, kda_recurrent
 from openk3.ops.kda.baselines import kda_chunked_logspace
+from openk3.ops.kda.chunk_bf16 import kda_chunked_bf16
 from openk3.utils import rel_rms, to_dtype
 
 PATHS = ["recurrent", "chunked", "logspace", "fla_naive", "sdpa"]
@@ -224,8 +226,11 @@ def make_cell(path, mode, T, cfg, dtype, fla_naive):
             return (F.scaled_dot_product_attention(q, k, v, is_causal=True),)
     else:
         args = [q, k, v, g, beta]
-        op = {"recurrent": kda_recurrent, "chunked": kda_chunked, "logspace": kda_chunked_logspace,
+        op = {"recurrent": kda_recurrent, "chunked": chunked_op(dtype), "logspace": kda_chunked_logspace,
               "fla_naive": fla_naive}[path]  # fmt: skip
+        if op is kda_chunked_bf16:  # compiles its elementwise kernel on first use per shape: not part of the timing
+            with torch.no_grad():
+                op(*(x[:, :64] for x in args))
     if mode == "fwd":
 
         def run():
@@ -240,6 +245,11 @@ def make_cell(path, mode, T, cfg, dtype, fla_naive):
             op(*leaves)[0].float().sum().backward()
 
     return run
+
+
+def chunked_op(dtype):
+    """The chunked op timed for an input dtype: bf16 inputs run the bf16-operand op (opt-in, see chunk_bf16.py)."""
+    return kda_chunked_bf16 if dtype == torch.bfloat16 else kda_chunked
 
 
 def time_cell(fn, budget_s: float = 3.0) -> dict:
@@ -317,7 +327,7 @@ def numerical_checks(shapes, dtypes, quick) -> dict:
             o32, S32 = kda_chunked(*x32, output_final_state=True)
             if torch.bfloat16 in dtypes:
                 xbf = [t.bfloat16() if i < 3 else t for i, t in enumerate(x32)]
-                obf, Sbf = kda_chunked(*xbf, output_final_state=True)
+                obf, Sbf = kda_chunked_bf16(*xbf, output_final_state=True)
                 checks["bf16_rel_rms_vs_fp32"][T] = {"o": rel_rms(obf, o32), "state": rel_rms(Sbf, S32)}
                 if T <= 2048:
                     o_rec, _ = kda_recurrent(*x32)

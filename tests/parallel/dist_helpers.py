@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import traceback
 
 import torch
@@ -17,10 +18,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn, args, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank: int, world: int, store: str, fn, args, results) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A file rendezvous: no TCP port to race for when several tests spawn ranks on a busy machine.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         results[rank] = fn(rank, world, *args)
     except BaseException:
@@ -31,9 +32,9 @@ def _entry(rank: int, world: int, port: int, fn, args, results) -> None:
 
 def run_ranks(world: int, fn, *args) -> list:
     """Run `fn(rank, world, *args)` on `world` gloo ranks; returns every rank's result (re-raising a rank's error)."""
-    with mp.Manager() as manager:
+    with mp.Manager() as manager, tempfile.TemporaryDirectory() as tmp:
         results = manager.dict()
-        mp.spawn(_entry, args=(world, free_port(), fn, args, results), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "store"), fn, args, results), nprocs=world, join=True)
         out = [results[r] for r in range(world)]
     for r in out:
         if isinstance(r, BaseException):

@@ -1,7 +1,9 @@
 """KDA chunked fast path (CPU): WY/UT form, tiles by batched matmuls, hand-written backward (spec/kda.md §4–§6).
 
-Owns `kda_chunked`, the op the model calls for prefill and training. It computes the same tile equations as the
-readable `tile_ref.kda_chunked_tiles` (and matches `ref.kda_recurrent` to fp32 rounding), organised for speed:
+Owns `kda_chunked`, the op the model calls for prefill and training, and the pieces it shares with
+`chunk_bf16.kda_chunked_bf16` (the opt-in op with bf16 tile operands): `run_chunked` (checks, tiling, autograd),
+`Tiling` and the fp32 backward. It computes the same tile equations as the readable `tile_ref.kda_chunked_tiles`
+(and matches `ref.kda_recurrent` to fp32 rounding), organised for speed:
 
     per tile of C rows (C = chunk_size = 16), anchored at the entering state h (cumsum restarts at the tile):
     Γ = cumsum(g)   Qd = s·q⊙e^Γ   Kd = k⊙e^Γ   Ki = k⊙e^−Γ   Kr = k⊙e^(Γ_C−Γ)   D = e^(Γ_C)
@@ -28,6 +30,7 @@ Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences, S state
 as one segment, or N packed sequences), n tiles, nb tiles in a block, R = B·H state rows, C tile rows.
 """
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -65,15 +68,24 @@ def kda_chunked(
     initial_state [B or N, H, K, V] fp32 or None. Returns (o [B, T, H, V] in v's dtype, final state or None).
     `lower_bound` is the caller's promise about g, used only to check that e^(chunk_size·|lower_bound|) fits fp32.
     """
+    inputs = (q, k, v, g, beta, initial_state, scale, cu_seqlens, chunk_size, lower_bound)
+    return run_chunked(chunked_forward, 1, *inputs, output_final_state)
+
+
+def run_chunked(forward, align, q, k, v, g, beta, initial_state, scale, cu_seqlens, chunk_size, lower_bound,
+                output_final_state):  # fmt: skip
+    """The shared body of `kda_chunked` and `chunk_bf16.kda_chunked_bf16`: checks, tiling, autograd, with
+    `forward` (chunked_forward or chunked_forward_bf16) and packed sequences aligned to `align` tiles."""
     check_tile(chunk_size, lower_bound)
     bounds = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    tiling = Tiling.build(q.shape, v.shape[-1], chunk_size, bounds, compute_dtype(q, k, v, g, beta, initial_state))
+    dtype = compute_dtype(q, k, v, g, beta, initial_state)
+    tiling = Tiling.build(q.shape, v.shape[-1], chunk_size, bounds, dtype, align)
     inputs = (q, k, v, g, beta, initial_state)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
-        o, final = _KDAChunkFn.apply(*inputs, scale, tiling)
+        o, final = _KDAChunkFn.apply(*inputs, scale, tiling, forward)
     else:
-        o, final, _ = chunked_forward(*inputs, scale, tiling, save_states=False)
+        o, final, _ = forward(*inputs, scale, tiling, save_states=False)
     return o, (final if output_final_state else None)
 
 
@@ -97,16 +109,19 @@ class Tiling:
     num_segments: int
 
     @staticmethod
-    def build(shape, V, C, bounds, dtype) -> "Tiling":
+    def build(shape, V, C, bounds, dtype, align: int = 1) -> "Tiling":
+        """`align`: packed sequences start on multiples of `align` tiles (the bf16 path's state step), the gap
+        filled with neutral tiles."""
         B, T, H, K = shape
         if bounds is None:
             n = -(-T // C)
             starts, ends = ({0: 0}, {n - 1: 0}) if n else ({}, {})
             return Tiling(B, T, H, K, V, C, n, dtype, None, None, None, starts, ends, 1)
         gather, token_pos, starts, ends = [], [], {}, {}
-        for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        for s, (a, b) in enumerate(itertools.pairwise(bounds)):
             tiles = -(-(b - a) // C)
             if tiles:
+                gather.extend([-1] * (-len(gather) % (align * C)))
                 starts[len(gather) // C] = s
                 ends[len(gather) // C + tiles - 1] = s
             token_pos.extend(range(len(gather), len(gather) + b - a))
@@ -143,6 +158,37 @@ class Tiling:
         x_NHD.masked_fill_(self.pad[rows].to(x_BTHD.device)[:, None, None], 0.0)
         out_nRCD.copy_(x_NHD.view(nb, C, H, D).transpose(1, 2))
         return out_nRCD
+
+    def load_chunks(self, x_BTHD: torch.Tensor, b0: int, out_cSRCD: torch.Tensor) -> None:
+        """Tiles b0 .. b0 + nc·S of x [B, T, H, D] into out [nc, S, R, C, D] (any strides: the bf16 path stores
+        tile positions major); padding rows and tiles past the stream are zeros."""
+        nc, S = out_cSRCD.shape[:2]
+        C, nb = self.C, nc * S
+        if self.gather is None:
+            B, T, H, D = x_BTHD.shape
+            t0, t1 = b0 * C, (b0 + nb) * C
+            src = x_BTHD[:, t0:t1]
+            if t1 > T:  # the stream's last block
+                src = x_BTHD.new_zeros(B, t1 - t0, H, D)
+                src[:, : T - t0] = x_BTHD[:, t0:T]
+        else:
+            rows = slice(b0 * C, (b0 + nb) * C)
+            x_NHD = x_BTHD[0].index_select(0, self.gather[rows].to(x_BTHD.device))
+            x_NHD.masked_fill_(self.pad[rows].to(x_BTHD.device)[:, None, None], 0.0)
+            src = torch.cat([x_NHD, x_NHD.new_zeros(nb * C - x_NHD.shape[0], *x_NHD.shape[1:])])[None]
+        B, _, H, D = src.shape
+        out_cSRCD.view(nc, S, B, H, C, D).copy_(src.view(B, nc, S, C, H, D).permute(1, 2, 0, 4, 3, 5))
+
+    def store_chunks(self, x_cSRCD: torch.Tensor, b0: int, out_BTHD: torch.Tensor) -> None:
+        """Writes tiles b0 .. b0 + nc·S given as x [nc, S, R, C, D] (any strides) into their tokens of out."""
+        nc, S, R, C, D = x_cSRCD.shape
+        B, T, H, _ = out_BTHD.shape
+        t0, t1 = b0 * C, (b0 + nc * S) * C
+        if self.gather is None and t1 <= T:
+            out_BTHD[:, t0:t1].view(B, nc, S, C, H, D).copy_(x_cSRCD.view(nc, S, B, H, C, D).permute(2, 0, 1, 4, 3, 5))
+            return
+        nb = min(nc * S, self.n - b0)
+        self.store_block(x_cSRCD.reshape(nc * S, R, C, D)[:nb], b0, out_BTHD)
 
     def store_block(self, x_nRCD: torch.Tensor, b0: int, out_BTHD: torch.Tensor) -> None:
         """Writes tiles b0 .. b0 + nb [nb, R, C, D] into their tokens of out [B, T, H, D] (padding dropped)."""
@@ -276,11 +322,12 @@ def _decay_and_write(h, blk: TileBlock, j: int, U, out):
 
 
 class _KDAChunkFn(torch.autograd.Function):
-    """kda_chunked with a hand-written backward that saves inputs + 64-token checkpoint states only."""
+    """kda_chunked with a hand-written backward that saves inputs + 64-token checkpoint states only. `forward`
+    returns those checkpoints; the backward is the same fp32 pass for either forward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, tiling):
-        o, final, checkpoints = chunked_forward(q, k, v, g, beta, initial_state, scale, tiling, save_states=True)
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, tiling, forward):
+        o, final, checkpoints = forward(q, k, v, g, beta, initial_state, scale, tiling, save_states=True)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, checkpoints)
         ctx.scale, ctx.tiling = scale, tiling
         return o, final
@@ -293,7 +340,7 @@ class _KDAChunkFn(torch.autograd.Function):
         dq, dk, dv, dg, dbeta, dh0 = grads
         if initial_state is None:
             dh0 = None
-        return dq, dk, dv, dg, dbeta, dh0, None, None
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None
 
 
 def chunked_backward(q, k, v, g, beta, initial_state, checkpoints, do, dfinal, scale, tiling: Tiling):

@@ -55,6 +55,16 @@ def cmd_init(args) -> int:
     return 0
 
 
+def _speculative_config(args) -> dict | None:
+    """vLLM's `speculative_config` from the --speculative flags (None: off)."""
+    if not args.speculative:
+        return None
+    spec = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.speculative == "draft_model":
+        spec["model"] = args.draft_ckpt
+    return spec
+
+
 def _generate(model: K3ForCausalLM, prompt: str, args, ckpt: str | None = None) -> str:
     """Continue `prompt` with the serving engine, streaming the text to stdout as it is produced."""
     from openk3.serve.config import ServeConfig
@@ -62,11 +72,7 @@ def _generate(model: K3ForCausalLM, prompt: str, args, ckpt: str | None = None) 
     from openk3.serve.request import SamplingParams
 
     tok = load_tokenizer(ckpt, model.text_config)  # the checkpoint's tokenizer, else the byte-level fallback
-    spec = None
-    if args.speculative:
-        spec = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
-        if args.speculative == "draft_model":
-            spec["model"] = args.draft_ckpt
+    spec = _speculative_config(args)
     engine = LLMEngine(model, tok, ServeConfig.from_options(speculative_config=spec))
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)  # fmt: skip
@@ -117,12 +123,7 @@ def _engine_from_args(args):
     ckpt = resolve_checkpoint(args.ckpt)
     model = K3ForCausalLM.from_pretrained(ckpt, dtype=to_dtype(args.dtype)).eval()
     tok = load_tokenizer(ckpt, model.text_config)
-    spec = None
-    if args.speculative:
-        spec = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
-        if args.speculative == "draft_model":
-            spec["model"] = args.draft_ckpt
-    options = {"speculative_config": spec, "enable_prefix_caching": not args.no_prefix_caching,
+    options = {"speculative_config": _speculative_config(args), "enable_prefix_caching": not args.no_prefix_caching,
                "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len

@@ -51,6 +51,18 @@ class GroupedExperts(nn.Module):
         return h @ self.w2[e].t()
 
 
+def combine_topk(out_PL: torch.Tensor, w_Tk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's k expert outputs (rows in (token, slot) order, P = T*k) weighted and added in fp32, slot by slot
+    in ascending expert id (the order `route_topk` returns), then rounded to `dtype`: [T, L]. Every dispatcher ends
+    here, so the summation order never depends on how tokens reached their experts."""
+    T, k = w_Tk.shape
+    out_TkL = out_PL.reshape(T, k, -1).float() * w_Tk.unsqueeze(-1)
+    y_TL = out_TkL[:, 0]
+    for j in range(1, k):
+        y_TL = y_TL + out_TkL[:, j]
+    return y_TL.to(dtype)
+
+
 def local_dispatch(z_TL: torch.Tensor, idx_Tk: torch.Tensor, w_Tk: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
     """Group tokens by expert, run each expert once on its rows, then add each token's k weighted outputs in fp32,
     in ascending expert id (the order `route_topk` returns). With fewer (token, expert) pairs than experts (decode,
@@ -73,11 +85,7 @@ def grouped_dispatch(z_TL, idx_Tk, w_Tk, experts: GroupedExperts) -> torch.Tenso
             outs.append(experts.expert_forward(e, z_sorted[start : start + n]))
             start += n
     out_sorted = torch.cat(outs) if outs else z_TL.new_zeros(0, z_TL.shape[-1])
-    out_TkL = out_sorted[torch.argsort(order)].view(T, k, -1).float() * w_Tk.unsqueeze(-1)
-    y_TL = out_TkL[:, 0]
-    for j in range(1, k):
-        y_TL = y_TL + out_TkL[:, j]
-    return y_TL.to(z_TL.dtype)
+    return combine_topk(out_sorted[torch.argsort(order)], w_Tk, z_TL.dtype)
 
 
 def gathered_dispatch(z_TL, idx_Tk, w_Tk, experts: GroupedExperts) -> torch.Tensor:
@@ -87,11 +95,7 @@ def gathered_dispatch(z_TL, idx_Tk, w_Tk, experts: GroupedExperts) -> torch.Tens
     a = z_P1L @ experts.w1[flat].transpose(1, 2)  # [P, 1, F]
     b = z_P1L @ experts.w3[flat].transpose(1, 2)
     h = situ_glu(a, b, experts.beta, experts.linear_beta)
-    out_TkL = (h @ experts.w2[flat].transpose(1, 2)).view(T, k, -1).float() * w_Tk.unsqueeze(-1)
-    y_TL = out_TkL[:, 0]
-    for j in range(1, k):
-        y_TL = y_TL + out_TkL[:, j]
-    return y_TL.to(z_TL.dtype)
+    return combine_topk(h @ experts.w2[flat].transpose(1, 2), w_Tk, z_TL.dtype)
 
 
 Observer = Callable[[nn.Module, torch.Tensor, torch.Tensor], None]

@@ -8,20 +8,16 @@ from __future__ import annotations
 import torch
 
 
-def sample(
-    logits_BV: torch.Tensor,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Return token ids [B]. temperature 0 is greedy (argmax); top_k 0 and top_p 1.0 disable those filters."""
+def sampling_probs(
+    logits_BV: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor | None:
+    """The fp32 distribution tokens are drawn from [..., V] (None for greedy, temperature 0): temperature, then
+    top-k, then top-p. top_k 0 and top_p 1.0 disable those filters."""
     if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
         raise ValueError(f"invalid sampling settings temperature={temperature}, top_k={top_k}, top_p={top_p}")
-    logits = logits_BV.float()
     if temperature == 0:
-        return logits.argmax(-1)
-    logits = logits / temperature
+        return None
+    logits = logits_BV.float() / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -32,5 +28,18 @@ def sample(
         drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    return torch.softmax(logits, dim=-1)
+
+
+def sample(
+    logits_BV: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Return token ids [B]. temperature 0 is greedy (argmax); top_k 0 and top_p 1.0 disable those filters."""
+    probs = sampling_probs(logits_BV, temperature, top_k, top_p)
+    if probs is None:
+        return logits_BV.float().argmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

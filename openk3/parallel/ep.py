@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
 
-from openk3.model.moe import GroupedExperts, StableLatentMoE
+from openk3.model.moe import GroupedExperts, StableLatentMoE, combine_topk
 from openk3.ops.situ import situ_glu
 
 
@@ -83,11 +83,7 @@ class AllToAllDispatcher:
         out_recv = out_sorted[torch.argsort(by_expert)]
         back_PL = all_to_all_single(rows_PL.new_empty(rows_PL.shape[0], out_recv.shape[-1]), out_recv, send, recv,
                                     self.group)  # fmt: skip
-        out_TkL = back_PL[torch.argsort(order_P)].view(T, k, -1).float() * w_Tk.unsqueeze(-1)
-        y_TL = out_TkL[:, 0]
-        for j in range(1, k):
-            y_TL = y_TL + out_TkL[:, j]
-        return y_TL.to(z_TL.dtype)
+        return combine_topk(back_PL[torch.argsort(order_P)], w_Tk, z_TL.dtype)
 
 
 def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> int:

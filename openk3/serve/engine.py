@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from openk3.data.tokenizer import ByteTokenizer, load_tokenizer
 from openk3.model.model import K3ForCausalLM
+from openk3.ops.sampling import sampling_probs
 from openk3.serve.config import ServeConfig
 from openk3.serve.kv.manager import KVCacheManager
 from openk3.serve.request import CompletionOutput, Request, RequestOutput, SamplingParams, Status
@@ -45,23 +46,8 @@ class SpecStats:
 
 
 def _probs_fn(params: SamplingParams):
-    """The distribution tokens are drawn from (None for greedy): temperature, then top-k, then top-p."""
-    if params.temperature == 0:
-        return lambda row: None
-
-    def probs(row_V: torch.Tensor) -> torch.Tensor:
-        logits = row_V.float() / params.temperature
-        if params.top_k > 0:
-            kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if params.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            p_sorted = torch.softmax(sorted_logits, -1)
-            drop = (p_sorted.cumsum(-1) - p_sorted) >= params.top_p
-            logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-        return torch.softmax(logits, -1)
-
-    return probs
+    """A row's sampling distribution (None for greedy), the filters of `ops.sampling.sample`."""
+    return lambda row_V: sampling_probs(row_V, params.temperature, params.top_k, params.top_p)
 
 
 class LLMEngine:

@@ -85,9 +85,16 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, trainer_state: di
               os.path.join(tmp, "optimizer.safetensors"))  # fmt: skip
     with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
         json.dump({**trainer_state, "step": step, "optimizer_groups": groups, "rng": rng_json}, f, indent=1)
-    for file in os.listdir(tmp):
-        with open(os.path.join(tmp, file), "rb") as f:
-            os.fsync(f.fileno())
+    return publish_checkpoint(root, tmp, name, keep)
+
+
+def publish_checkpoint(root: str, tmp: str, name: str, keep: int) -> str:
+    """Make the complete folder `tmp` checkpoint `name`: fsync its files, rename it into place (never over a folder
+    `latest` may name), point `latest` at it atomically and prune all but the newest `keep`. Returns its folder."""
+    for folder, _, files in os.walk(tmp):
+        for file in files:
+            with open(os.path.join(folder, file), "rb") as f:
+                os.fsync(f.fileno())
     final, n = os.path.join(root, name), 1
     while os.path.exists(final):  # re-saving a step (a restarted run): never touch the folder `latest` may name
         final, n = os.path.join(root, f"{name}-r{n}"), n + 1

@@ -31,7 +31,7 @@ from openk3.parallel.checkpoint import export_pretrained, load_optimizer, save_o
 from openk3.parallel.cp import ContextParallel
 from openk3.parallel.dims import ParallelDims
 from openk3.parallel.parallelize import expert_parameters, parallelize, sync_expert_grads
-from openk3.train.checkpoint import CHECKPOINTS, LATEST
+from openk3.train.checkpoint import CHECKPOINTS, latest_checkpoint, publish_checkpoint
 from openk3.train.config import TrainConfig
 from openk3.train.trainer import Trainer
 
@@ -138,7 +138,7 @@ class DistributedTrainer(Trainer):
         name = f"step-{self.step:08d}"
         tmp = os.path.join(root, f".tmp-{name}")
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed save: never a published checkpoint
         dist.barrier()
         export_pretrained(self.model, tmp, self.mesh, self.dims)  # every rank joins the gathers
         save_optimizer(self.model, self.optimizer, os.path.join(tmp, "optimizer-dcp"), self.mesh, self.dims)
@@ -149,14 +149,9 @@ class DistributedTrainer(Trainer):
                      "world_size": self.world, "layout": vars(self.dims)}  # fmt: skip
             with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
                 json.dump(state, f, indent=1)
-            final = os.path.join(root, name)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            with open(os.path.join(root, LATEST + ".tmp"), "w", encoding="utf-8") as f:
-                f.write(name)
-            os.replace(os.path.join(root, LATEST + ".tmp"), os.path.join(root, LATEST))
+            publish_checkpoint(root, tmp, name, self.cfg.keep_checkpoints)
         dist.barrier()
-        return os.path.join(root, name)
+        return latest_checkpoint(self.run_dir)  # the folder rank 0 published, on every rank
 
     def _append_metrics(self, row: dict) -> None:
         if self.rank == 0:

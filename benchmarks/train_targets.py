@@ -5,12 +5,14 @@
 1. `k3 train --preset tiny` defaults on the embedded stdlib corpus: wall time until the validation loss falls below
    the unigram baseline, final validation loss, the printed sample, tokens/s and MFU against this machine's matmul
    rate (measured here).
-2. Balancing: the same run with `--balance sign` and `--balance none`; MaxVio as spec/balancing.md §3 reports it (mean
-   of the per-step max over layers, last 20 steps) against the floor of perfectly balanced random routing at the same
-   tokens per step (q̄ stated).
-3. q̄ >= 2048 tokens per expert per step (tiny: 8 experts, top-2, 8192 tokens per step): per-layer MaxVio, last 20 steps.
-4. MQAR accuracy of a small MQAR run (and at 4x its training length), and a recall run (MQAR and needle batches
-   alternating) evaluated on needle retrieval at 4x its training length.
+   The same run with `--optimizer muon` beside it (Muon for the hidden matrices, AdamW for the rest).
+2. Balancing: the same run with `--balance sign`, `--balance none`, and K3's rule damped (`--balance-exact-thresholds
+   --balance-ema 0.5`); MaxVio as spec/balancing.md §3 reports it (mean of the per-step max over layers, last 20
+   steps) against the floor of perfectly balanced random routing at the same tokens per step (q̄ stated).
+3. q̄ >= 2048 tokens per expert per step (tiny: 8 experts, top-2, 8192 tokens per step, as 128 rows of 64 tokens):
+   per-layer MaxVio, last 20 steps, with K3's rule and the damped variant.
+4. MQAR accuracy of a small MQAR run (and at 4x its training length), and needle retrieval at 4x the training length
+   of a small needle run (its curriculum trains the first half at a quarter of the length: short haystacks first).
 
 Writes OUT.json and OUT.md. Run it on a quiet machine: concurrent processes distort tokens/s (the ratios and MaxVio
 values do not depend on speed).
@@ -29,7 +31,9 @@ import time
 
 import torch
 
+from openk3.bench.report import write_report
 from openk3.train.config import TrainConfig
+from openk3.train.metrics import random_routing_maxvio_floor
 from openk3.train.throughput import matmul_gflops
 from openk3.train.trainer import Trainer
 
@@ -40,6 +44,7 @@ def _run(name: str, root: str, **kw) -> dict:
     cfg = TrainConfig(out=out, progress=False, sample_tokens=0, **kw)
     start = time.perf_counter()
     trainer = Trainer(cfg, log=lambda *a: None)
+    text = trainer.model.text_config
     setup = time.perf_counter() - start
     trainer.run()
     wall = time.perf_counter() - start
@@ -56,6 +61,8 @@ def _run(name: str, root: str, **kw) -> dict:
         "max_vio_last20": statistics.mean(last20) if last20 else None,
         "max_vio_last20_per_layer": [statistics.mean(v) for v in per_layer],
         "max_vio_floor": trainer.max_vio_floor,
+        "max_vio_floor_one_layer": random_routing_maxvio_floor(cfg.tokens_per_step, text.num_experts,
+                                                               text.num_experts_per_token, trials=64, seed=cfg.seed),
         "q_bar": cfg.tokens_per_step * trainer.model.text_config.num_experts_per_token / trainer.model.text_config.num_experts,
         "evals": [{k: r[k] for k in ("step", "val_loss", "unigram_loss", "mqar_acc", "mqar_acc_4x", "needle_acc") if k in r} for r in evals],
     }  # fmt: skip
@@ -71,7 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few steps of each run (smoke test)")
     parser.add_argument("--out", default="benchmarks/results/train-cpu")
-    parser.add_argument("--skip", nargs="*", default=[], help="runs to skip: default sign none qbar2048 mqar recall")
+    parser.add_argument("--skip", nargs="*", default=[], help="runs to skip (names as in the table)")
     args = parser.parse_args()
     q = args.quick
     root = tempfile.mkdtemp(prefix="openk3-bench-train-")
@@ -79,14 +86,19 @@ def main() -> None:
                "threads": torch.get_num_threads(), "matmul_fp32_gflops": matmul_gflops(torch.device("cpu"), n=2048, seconds=1.0)}  # fmt: skip
     print(f"machine: {machine}")
     default = dict(steps=6 if q else TrainConfig.steps, eval_every=3 if q else 25)
+    damped = dict(balance_exact_thresholds=True, balance_ema=0.5)
+    qbar2048 = dict(batch_size=128, seq_len=64, curriculum=0.0, steps=4 if q else 150, eval_every=1000)
     runs = {
         "default": dict(balance="quantile", **default),
+        "damped": dict(balance="quantile", **damped, **default),
         "sign": dict(balance="sign", **default),
         "none": dict(balance="none", **default),
-        "qbar2048": dict(batch_size=32, seq_len=256, steps=4 if q else 60, eval_every=1000, lr=1e-3),
+        "muon": dict(optimizer="muon", **default),
+        "qbar2048": qbar2048,
+        "qbar2048-damped": dict(**qbar2048, **damped),
         "mqar": dict(data="mqar", seq_len=64, batch_size=32, steps=4 if q else 300, curriculum=0.0, lr=2e-3,
                      eval_every=2 if q else 100),
-        "recall": dict(data="recall", seq_len=64, batch_size=32, steps=4 if q else 400, curriculum=0.0, lr=2e-3,
+        "needle": dict(data="needle", seq_len=64, batch_size=32, steps=4 if q else 400, lr=2e-3,
                        eval_every=2 if q else 100),
     }  # fmt: skip
     results = []
@@ -99,12 +111,7 @@ def main() -> None:
         print(f"  {r['steps']} steps in {r['wall_s']:.0f}s, final {r['final']}, max_vio_last20 {r['max_vio_last20']}, "
               f"floor {r['max_vio_floor']:.4f} (q̄ {r['q_bar']:.0f})", flush=True)  # fmt: skip
     report = {"machine": machine, "runs": results}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
-    with open(args.out + ".md", "w", encoding="utf-8") as f:
-        f.write(_markdown(report))
-    print(_markdown(report))
+    write_report(report, args.out, _markdown(report))
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -125,10 +132,12 @@ def _markdown(report: dict) -> str:
             f"{r['q_bar']:.0f} | {f.get('mqar_acc', float('nan')):.3f} | {f.get('mqar_acc_4x', float('nan')):.3f} | "
             f"{f.get('needle_acc', float('nan')):.3f} |"
         )
+    lines.append("\nPer-layer MaxVio (mean of the last 20 steps):\n")
     for r in report["runs"]:
-        if r["name"] == "qbar2048":
-            lines.append(f"\nq̄ = {r['q_bar']:.0f}: per-layer MaxVio (last 20 steps) = "
+        if r["max_vio_last20_per_layer"]:
+            lines.append(f"- {r['name']} (q̄ = {r['q_bar']:.0f}, one-layer floor {r['max_vio_floor_one_layer']:.4f}): "
                          + ", ".join(f"{v:.4f}" for v in r["max_vio_last20_per_layer"]))  # fmt: skip
+    for r in report["runs"]:
         if "sample" in r and r["name"] == "default":
             lines.append(f"\nSample after the default run: `{r['sample']!r}`")
     return "\n".join(lines) + "\n"

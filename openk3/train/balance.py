@@ -10,6 +10,7 @@ QB, per MoE layer and optimizer step (§2.1-2.2):
     H       = all-reduce SUM over the ranks holding distinct tokens, once per step, all layers in one collective
     b̂_j     = the (k/n)-quantile of H[j], linearly interpolated inside its bin          (recover_quantile_bias)
     b       = b̂ − mean(b̂);  lo, hi = min b − 1, max b + 1;  H = 0
+    (optional, §2.2 EMA, default off: b = ema·b_old + (1 − ema)·(b̂ − mean b̂), i.e. the update damped)
 
 The new b overwrites the old one and takes effect at the next step; at inference b is frozen (the observer ignores
 eval-mode calls and calls outside `Balancer.collecting()`).
@@ -24,7 +25,7 @@ import contextlib
 import functools
 import math
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,9 @@ from openk3.train.metrics import expert_loads, max_vio, min_load
 METHODS = ("quantile", "sign", "none")
 
 
-def required_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int, exact_thresholds: bool = False) -> torch.Tensor:
+def required_bias(
+    scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int, exact_thresholds: bool = False
+) -> torch.Tensor:
     """r_ij = alpha_i − s_ij [T, E] (§2.1 step 2): the bias expert j needs to enter token i's top-k, with every
     cutoff alpha_i held fixed. The old bias enters only through alpha.
 
@@ -121,6 +124,20 @@ def solve_exact(scores_TE: torch.Tensor, k: int, iters: int, bias_E: torch.Tenso
     return b_E
 
 
+@torch.no_grad()
+def near_ties(
+    scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int, width: float, token_mask_T: torch.Tensor | None = None
+) -> torch.Tensor:
+    """How many tokens have k-th and (k+1)-th biased scores closer than `width` (int64 scalar): spec §3's router health.
+    Those tokens sit on a cutoff, where a bias error of a fraction of a bin moves whole groups of them between
+    experts (the saturated-score hazard of §2.7)."""
+    top_Tk1 = torch.topk(scores_TE.float() + bias_E.float(), k + 1, dim=-1, sorted=True).values
+    tied_T = (top_Tk1[:, k - 1] - top_Tk1[:, k]) < width
+    if token_mask_T is not None:
+        tied_T = tied_T[token_mask_T]
+    return tied_T.sum()
+
+
 def _read_bias(p: torch.Tensor) -> torch.Tensor:
     # FSDP2 keeps the parameter sharded between steps; the update needs the whole vector.
     return p.full_tensor() if isinstance(p, DTensor) else p.detach()
@@ -156,13 +173,16 @@ class Balancer:
         sign_rate: float = 1e-3,
         process_group: dist.ProcessGroup | None = None,
         exact_thresholds: bool = False,
+        ema: float = 0.0,
     ):
         if method not in METHODS:
             raise ValueError(f"balance method must be one of {METHODS}, got {method!r}")
         if num_bins < 1:
             raise ValueError(f"num_bins must be positive, got {num_bins}")
+        if not 0.0 <= ema < 1.0:
+            raise ValueError(f"balance ema must be in [0, 1), got {ema}")
         self.method, self.num_bins, self.sign_rate, self.process_group = method, num_bins, sign_rate, process_group
-        self.exact_thresholds = exact_thresholds
+        self.exact_thresholds, self.ema = exact_thresholds, ema
         self.names, self.layers = [], []
         for name, module in model.named_modules():
             if hasattr(getattr(module, "gate", None), "e_score_correction_bias") and hasattr(module, "observer"):
@@ -184,6 +204,7 @@ class Balancer:
         self.lo, self.hi = [lo for lo, _ in bounds], [hi for _, hi in bounds]
         self._hist: list[torch.Tensor | None] = [None] * len(self.layers)  # int32 [E, B] per layer
         self._loads: list[torch.Tensor | None] = [None] * len(self.layers)  # int64 [E] per layer
+        self._ties: list[torch.Tensor | None] = [None] * len(self.layers)  # int64 [] per layer: near-tied tokens
         self._collecting = False
         self._token_mask_T: torch.Tensor | None = None
 
@@ -216,6 +237,9 @@ class Balancer:
             idx_Tk = idx_Tk[mask_T]
         loads_E = expert_loads(idx_Tk, scores_TE.shape[-1])
         self._loads[i] = loads_E if self._loads[i] is None else self._loads[i] + loads_E
+        ties = near_ties(scores_TE.detach(), module.gate.e_score_correction_bias.detach(), module.top_k,
+                         (self.hi[i] - self.lo[i]) / self.num_bins, mask_T)  # fmt: skip
+        self._ties[i] = ties if self._ties[i] is None else self._ties[i] + ties
         if self.method == "quantile":
             bias_E = module.gate.e_score_correction_bias
             hist_EB = quantile_histogram(scores_TE.detach(), bias_E.detach(), module.top_k, self.lo[i], self.hi[i],
@@ -232,6 +256,9 @@ class Balancer:
             loads = self._loads[i] if self._loads[i] is not None else torch.zeros(E, dtype=torch.int64, device=p.device)
             parts.append(loads.int())
             shapes.append((E,))
+            ties = self._ties[i] if self._ties[i] is not None else torch.zeros((), dtype=torch.int64, device=p.device)
+            parts.append(ties.int().reshape(1))
+            shapes.append((1,))
             if self.method == "quantile":
                 hist = self._hist[i]
                 if hist is None:
@@ -243,9 +270,11 @@ class Balancer:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group)
         out = list(flat.split([math.prod(s) for s in shapes]))
         out = [t.view(s) for t, s in zip(out, shapes)]
+        per = 3 if self.method == "quantile" else 2
+        self._step_ties = [int(t) for t in out[1::per]]
         if self.method == "quantile":
-            return out[0::2], out[1::2]
-        return out, [None] * len(self.layers)
+            return out[0::3], out[2::3]
+        return out[0::2], [None] * len(self.layers)
 
     @torch.no_grad()
     def step(self) -> dict:
@@ -253,7 +282,9 @@ class Balancer:
         the step's metrics (spec §3) from the global-batch loads routed with the *old* bias:
         max_vio (max over layers of MaxVio_batch), max_vio_per_layer, min_load_per_layer, zero_load_experts_per_layer,
         loads (per layer, per expert), bias_std_per_layer, bias_change_per_layer (L2 of the update),
-        bin_width_per_layer (w after the update), tokens_per_step (m), q_bar (m·k/n of the first layer)."""
+        bin_width_per_layer (w after the update), near_tie_fraction_per_layer (router health, §3: the fraction of
+        tokens whose k-th and (k+1)-th biased scores differ by less than the bin width w in use this step),
+        tokens_per_step (m), q_bar (m·k/n of the first layer)."""
         loads_LE, hists = self._reduced_counts()
         loads = [t.cpu() for t in loads_LE]
         old, new = [], []
@@ -265,14 +296,15 @@ class Balancer:
             m = int(loads[i].sum()) // k
             if m > 0 and self.method == "quantile":  # no token this step: keep b (§2.2)
                 b_hat_E = recover_quantile_bias(hists[i], self.lo[i], self.hi[i], k)
-                b_E = (b_hat_E - b_hat_E.mean()).to(b_E.dtype)
+                b_hat_E = b_hat_E - b_hat_E.mean()
+                b_E = (self.ema * b_E.double() + (1.0 - self.ema) * b_hat_E).to(b_E.dtype)
             elif m > 0 and self.method == "sign":
                 b_E = b_E + (self.sign_rate * torch.sign(m * k / E - loads_LE[i].double())).to(b_E.dtype)
             if self.method != "none":
                 _write_bias(p, b_E)
                 self.lo[i], self.hi[i] = bias_bounds(b_E)
             new.append(b_E)
-            self._hist[i], self._loads[i] = None, None
+            self._hist[i], self._loads[i], self._ties[i] = None, None, None
         k0 = self.layers[0].top_k
         m = int(loads[0].sum()) // k0
         ks = [layer.top_k for layer in self.layers]
@@ -286,6 +318,7 @@ class Balancer:
             "bias_std_per_layer": [float(b.double().std()) for b in new],
             "bias_change_per_layer": [float((b.double() - a.double()).norm()) for a, b in zip(old, new)],
             "bin_width_per_layer": [(hi - lo) / self.num_bins for lo, hi in zip(self.lo, self.hi)],
+            "near_tie_fraction_per_layer": [t / m if m > 0 else 0.0 for t in self._step_ties],
             "tokens_per_step": m,
             "q_bar": m * k0 / loads[0].numel(),
         }
@@ -294,6 +327,7 @@ class Balancer:
         """Drop this step's counts without touching the biases (a skipped, non-finite step). Purely local: call it on
         every rank or on none, since `step()` is a collective."""
         self._hist, self._loads = [None] * len(self.layers), [None] * len(self.layers)
+        self._ties = [None] * len(self.layers)
 
     def state_dict(self) -> dict:
         """lo/hi per layer (fp64 [L]); the histograms are not saved and restart at zero."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 BALANCE_METHODS = ("quantile", "sign", "none")
 SCHEDULES = ("wsd", "cosine")
 PRECISIONS = ("auto", "fp32", "bf16")
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass
@@ -29,6 +30,7 @@ class TrainConfig:
     balance: str = "quantile"
     balance_exact_thresholds: bool = False  # spec/balancing.md §2.4 refinement (not K3's rule); helps small k
     balance_bins: int = 1000  # quantile-balancing histogram bins (K3: 1000; more resolve near-tied scores better)
+    balance_ema: float = 0.0  # spec/balancing.md §2.2's optional EMA: b = ema·b_old + (1 − ema)·b_new; 0 = K3's rule
     batch_size: int = 16  # global batch, in sequences of the final length
     micro_batch_size: int | None = None  # sequences per forward/backward; None = the whole batch
     seq_len: int = 256  # final sequence length of the curriculum
@@ -40,6 +42,7 @@ class TrainConfig:
     decay_fraction: float = 0.2  # WSD: the final fraction of steps decays linearly to min_lr
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    optimizer: str = "adamw"  # "adamw" or "muon" (Muon for hidden matrices, AdamW for the rest; one process)
     beta1: float = 0.9
     beta2: float = 0.95
     device: str = "auto"
@@ -66,6 +69,13 @@ class TrainConfig:
             raise ValueError(f"--stop-after must be positive, got {self.stop_after}")
         if self.balance not in BALANCE_METHODS:
             raise ValueError(f"--balance must be one of {BALANCE_METHODS}, got {self.balance!r}")
+        if not 0.0 <= self.balance_ema < 1.0:
+            raise ValueError(f"--balance-ema must be in [0, 1), got {self.balance_ema}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.optimizer == "muon" and self.dp * self.ep * self.cp > 1:
+            raise ValueError("--optimizer muon runs in one process: its Newton-Schulz step needs whole matrices, which "
+                             "FSDP2 and expert parallelism shard; use --optimizer adamw with --dp/--ep/--cp")  # fmt: skip
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.precision not in PRECISIONS:

@@ -44,8 +44,8 @@ def evaluate(model, data, cfg, device) -> dict:
         mq4 = mqar_batch(EVAL_ROWS // 4, 4 * L, text, seed=12346)
         out["mqar_acc_4x"] = answer_accuracy(_logits(model, mq4, device).cpu(), mq4)
     accs = []
-    for i, depth in enumerate((0.1, 0.5, 0.9)):
-        nb = needle_batch(EVAL_ROWS // 4, 4 * L, text, seed=777 + i, depth=depth)
+    for i, depth in enumerate((0.1, 0.5, 0.9)):  # 8 needles per depth: 48 answer tokens in all
+        nb = needle_batch(EVAL_ROWS, 4 * L, text, seed=777 + i, depth=depth)
         accs.append(answer_accuracy(_logits(model, nb, device).cpu(), nb))
     out["needle_acc"] = sum(accs) / len(accs)
     return out

@@ -74,7 +74,7 @@ class Trainer:
         self._parallelize()
         self.optimizer = build_optimizer(self.model, cfg)
         self.balancer = Balancer(self.model, cfg.balance, num_bins=cfg.balance_bins, process_group=self._data_group(),
-                                 exact_thresholds=cfg.balance_exact_thresholds)  # fmt: skip
+                                 exact_thresholds=cfg.balance_exact_thresholds, ema=cfg.balance_ema)  # fmt: skip
         self.step, self.nonfinite_total, self.nonfinite_run, self.tokens_seen = 0, 0, 0, 0
         if ckpt is not None:
             state = self._load_trainer_state(ckpt)
@@ -162,7 +162,8 @@ class Trainer:
             bal = self.balancer.step()
             self.optimizer.step()
             self.nonfinite_run = 0
-            row.update(max_vio=bal["max_vio"], max_vio_per_layer=bal["max_vio_per_layer"])
+            row.update(max_vio=bal["max_vio"], max_vio_per_layer=bal["max_vio_per_layer"],
+                       near_tie_fraction_per_layer=bal["near_tie_fraction_per_layer"])  # fmt: skip
             self._last_loads = bal["loads"]
         else:
             self.balancer.discard()

@@ -418,3 +418,21 @@ def test_bf16_op_rejects_other_dtypes_and_saves_only_checkpoints():
         kda_chunked_bf16(*leaves)
     extra = sum(seen.values()) - sum(t.numel() * t.element_size() for t in leaves)
     assert extra == -(-100 // (16 * _CHECKPOINT_TILES)) * 2 * 32 * 16 * 4
+
+
+def test_dispatch_bf16_impl_is_opt_in_and_routes_by_dtype():
+    """`use_impl("kda_chunked", "bf16")` runs kda_chunked_bf16 for bf16 inputs and the fp32-compute op otherwise;
+    without it the dispatcher never picks it."""
+    from openk3.ops import dispatch
+
+    assert dispatch.select("kda_chunked", torch.device("cpu")) == "ref"
+    x_bf, _ = bf16_inputs(1, 80, seed=3)
+    h0 = torch.randn(1, 2, 32, 16)
+    with dispatch.use_impl("kda_chunked", "bf16"):
+        o, S = dispatch.kda_chunked(*x_bf, initial_state=h0, output_final_state=True)
+        x32 = [t.float() for t in x_bf]
+        o32, S32 = dispatch.kda_chunked(*x32, initial_state=h0, output_final_state=True)
+    o_ref, S_ref = kda_chunked_bf16(*x_bf, initial_state=h0, output_final_state=True)
+    assert torch.equal(o, o_ref) and torch.equal(S, S_ref)
+    o_fp, S_fp = kda_chunked(*x32, initial_state=h0, output_final_state=True)
+    assert torch.equal(o32, o_fp) and torch.equal(S32, S_fp)

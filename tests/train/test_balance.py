@@ -19,6 +19,7 @@ from openk3.train.balance import (
     Balancer,
     bias_bounds,
     exact_quantile_bias,
+    near_ties,
     quantile_histogram,
     recover_quantile_bias,
     required_bias,
@@ -314,6 +315,51 @@ def test_bad_arguments_are_loud():
         Balancer(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="0 < k < n"):
         Balancer(fake_model(1, 8, 8))
+    with pytest.raises(ValueError, match="ema"):
+        Balancer(fake_model(1, 8, 2), ema=1.0)
+
+
+# ---- §2.2 optional EMA and §3 router health --------------------------------------------------------------------
+
+
+def test_ema_damps_the_update_and_zero_is_k3s_rule():
+    s = synthetic_scores(2048, 16, sigma_e=1.0, seed=7)
+    old = 0.05 * torch.randn(16, generator=torch.Generator().manual_seed(7))
+    old = old - old.mean()
+    out = {}
+    for ema in (0.0, 0.6):
+        model = fake_model(1, 16, 2)
+        model[0].gate.e_score_correction_bias.data.copy_(old)
+        bal = Balancer(model, ema=ema)
+        with bal.collecting():
+            model[0](s)
+        bal.step()
+        out[ema] = model[0].gate.e_score_correction_bias.detach().clone()
+        assert bal.lo[0] == float(out[ema].min()) - 1.0 and bal.hi[0] == float(out[ema].max()) + 1.0
+    # ema = 0 is the plain rule (the histogram estimate, centred); 0.6 keeps 60% of the old bias.
+    lo, hi = bias_bounds(old)
+    b_hat = recover_quantile_bias(quantile_histogram(s, old, 2, lo, hi, 1000), lo, hi, 2)
+    torch.testing.assert_close(out[0.0], (b_hat - b_hat.mean()).float())
+    torch.testing.assert_close(out[0.6], 0.6 * old + 0.4 * out[0.0])
+    assert abs(float(out[0.6].sum())) < 1e-6  # still centred
+
+
+def test_near_ties_hand_checked_and_reported_per_layer():
+    # k = 1: the gap between the 1st and 2nd biased score; width 0.05.
+    s = torch.tensor([[0.50, 0.52, 0.10], [0.90, 0.10, 0.80], [0.30, 0.31, 0.305], [0.2, 0.6, 0.1]])
+    bias = torch.tensor([0.0, 0.0, 0.0])
+    assert int(near_ties(s, bias, 1, 0.05)) == 2  # rows 0 and 2
+    assert int(near_ties(s, torch.tensor([0.0, -0.4, 0.0]), 1, 0.05)) == 2  # the bias moves them: rows 2 and 3
+    assert int(near_ties(s, bias, 1, 0.05, torch.tensor([True, True, False, True]))) == 1
+    # Through the Balancer: the fraction of the step's tokens, summed over micro-batches like the loads.
+    model = fake_model(2, 3, 1)
+    bal = Balancer(model, num_bins=10)  # bounds [-1, 1]: w = 0.2
+    for part in s.chunk(2):
+        with bal.collecting():
+            for layer in model:
+                layer(part)
+    metrics = bal.step()
+    assert metrics["near_tie_fraction_per_layer"] == [0.75, 0.75]  # rows 0, 1 (0.9 vs 0.8) and 2 are within 0.2
 
 
 # ---- the tiny K3 model --------------------------------------------------------------------------------------

@@ -65,6 +65,31 @@ def test_resume_continues_exactly(corpus, tmp_path):
     assert bias and all(b.abs().sum() > 0 for b in bias)
 
 
+def test_muon_resume_continues_exactly_and_splits_parameters(corpus, tmp_path):
+    kw = dict(optimizer="muon", lr=1e-2)
+    Trainer(_cfg(corpus, tmp_path / "a", **kw), log=lambda *a: None).run()
+    Trainer(_cfg(corpus, tmp_path / "b", stop_after=3, **kw), log=lambda *a: None).run()
+    trainer = Trainer(_cfg(corpus, tmp_path / "b", resume=True, **kw), log=lambda *a: None)
+    opt = trainer.optimizer
+    muon = {id(p) for g in opt.muon.param_groups for p in g["params"]}
+    names = {name for name, p in trainer.model.named_parameters() if id(p) in muon}
+    assert "model.layers.1.self_attn.q_proj.weight" in names and "model.layers.0.mlp.down_proj.weight" in names
+    assert not any(n.endswith(("embed_tokens.weight", "lm_head.weight", "gate.weight", "_res_proj.weight"))
+                   or ".experts." in n for n in names)  # fmt: skip
+    trained = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert trained == {id(p) for p in trainer.model.parameters() if p.requires_grad}  # every parameter, once
+    trainer.run()
+    losses = _losses(tmp_path / "a")
+    assert losses == _losses(tmp_path / "b") and losses[-1] < losses[0]
+    wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # An AdamW run's optimizer state is refused by name, not loaded into the wrong slots.
+    with pytest.raises(ValueError, match="Muon"):
+        opt.load_state_dict(torch.optim.AdamW(trainer.model.parameters()).state_dict())
+    with pytest.raises(ValueError, match="one process"):
+        TrainConfig(optimizer="muon", dp=2)
+
+
 def test_cli_resume_and_existing_run(corpus, tmp_path, capsys):
     args = ["train", "--data", corpus, "--tokenizer", "byte", "--batch-size", "2", "--seq-len", "32", "--steps", "4",
             "--out", str(tmp_path), "--no-progress", "--sample-tokens", "8"]  # fmt: skip

@@ -9,8 +9,8 @@ recomputing from this forward's fp32 checkpoints. Reference: `chunk.kda_chunked`
 Why a separate op rather than `kda_chunked`'s path for bf16 inputs: it is ~1.8× faster at 8K tokens × 16 heads on
 one CPU core, but its output error is ~2× kda_chunked's on the same bf16 inputs (o ≈ 3–4e-3 vs 1.6e-3 relative RMS
 against fp64 on tests/model's tiny model: each rounded product adds about one bf16 rounding), enough to flip expert
-choices in that random tiny MoE (test_bf16_model_tracks_fp32_reference). The model keeps calling `kda_chunked`
-until that test is re-baselined.
+choices in that random tiny MoE (test_bf16_model_tracks_fp32_reference). So the dispatcher never picks it on its
+own: a bf16 model opts in with `ops.dispatch.use_impl("kda_chunked", "bf16")`.
 
 Math per chunk of S = 4 tiles (C = 16 rows each) with entering state h; per tile i, anchored at the state entering
 the tile exactly as in chunk.py (Γ restarts at the tile, so every factor but Ki is ≤ 1 and Ki ≤ e^80):

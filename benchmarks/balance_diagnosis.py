@@ -37,18 +37,11 @@ from openk3.bench.report import write_report
 from openk3.model.batch import ForwardBatch
 from openk3.model.model import K3ForCausalLM
 from openk3.ops.moe.route import route_topk
-from openk3.train.balance import bias_bounds, near_ties, quantile_histogram, recover_quantile_bias, solve_exact
+from openk3.train.balance import bias_bounds, near_ties, quantile_bias_update, quantile_histogram, solve_exact
+from openk3.train.checkpoint import resolve_checkpoint
 from openk3.train.config import TrainConfig
 from openk3.train.data import RunData
 from openk3.train.metrics import expert_loads, max_vio, random_routing_maxvio_floor
-
-
-def _checkpoint_dir(path: str) -> str:
-    latest = os.path.join(path, "checkpoints", "latest")
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as f:
-            return os.path.join(path, "checkpoints", f.read().strip())
-    return path
 
 
 @torch.no_grad()
@@ -69,8 +62,7 @@ def record_scores(model, data: RunData, rows: int, seq_len: int, batches: int) -
 def _qb_update(s_TE: torch.Tensor, b_E: torch.Tensor, k: int, bins: int, exact: bool, ema: float) -> torch.Tensor:
     """One `Balancer.step` of the given variant (K3's rule: exact=False, ema=0)."""
     lo, hi = bias_bounds(b_E)
-    b_hat = recover_quantile_bias(quantile_histogram(s_TE, b_E, k, lo, hi, bins, None, exact), lo, hi, k)
-    return (ema * b_E.double() + (1 - ema) * (b_hat - b_hat.mean())).float()
+    return quantile_bias_update(quantile_histogram(s_TE, b_E, k, lo, hi, bins, None, exact), lo, hi, k, b_E, ema)
 
 
 def _maxvio(s_TE: torch.Tensor, b_E: torch.Tensor, k: int) -> float:
@@ -134,7 +126,7 @@ def main() -> None:
     parser.add_argument("--ema", type=float, default=0.5, help="the damped variant's --balance-ema")
     parser.add_argument("--out", default="benchmarks/results/balance-diagnosis")
     args = parser.parse_args()
-    ckpt = _checkpoint_dir(args.ckpt)
+    ckpt = resolve_checkpoint(args.ckpt)
     model = K3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     text = model.config.text_config
     k, E = text.num_experts_per_token, text.num_experts

@@ -63,7 +63,7 @@ def _run(name: str, root: str, **kw) -> dict:
         "max_vio_floor": trainer.max_vio_floor,
         "max_vio_floor_one_layer": random_routing_maxvio_floor(cfg.tokens_per_step, text.num_experts,
                                                                text.num_experts_per_token, trials=64, seed=cfg.seed),
-        "q_bar": cfg.tokens_per_step * trainer.model.text_config.num_experts_per_token / trainer.model.text_config.num_experts,
+        "q_bar": cfg.tokens_per_step * text.num_experts_per_token / text.num_experts,
         "evals": [{k: r[k] for k in ("step", "val_loss", "unigram_loss", "mqar_acc", "mqar_acc_4x", "needle_acc") if k in r} for r in evals],
     }  # fmt: skip
     if evals and "unigram_loss" in evals[0]:

@@ -94,19 +94,9 @@ def _generate(model: K3ForCausalLM, prompt: str, args, ckpt: str | None = None) 
     return text
 
 
-def resolve_checkpoint(path: str) -> str:
-    """A checkpoint folder, or a training run folder (its latest checkpoint)."""
-    from openk3.train.checkpoint import latest_checkpoint
-
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise FileNotFoundError(f"training run {path} has no finished checkpoint yet")
-        return latest
-    return path
-
-
 def cmd_generate(args) -> int:
+    from openk3.train.checkpoint import resolve_checkpoint
+
     ckpt = resolve_checkpoint(args.ckpt)
     model = K3ForCausalLM.from_pretrained(ckpt, dtype=to_dtype(args.dtype)).eval()
     _generate(model, args.prompt, args, ckpt)
@@ -119,6 +109,7 @@ def _engine_from_args(args):
     from openk3.data.chat import load_chat_template
     from openk3.serve.config import ServeConfig
     from openk3.serve.engine import LLMEngine
+    from openk3.train.checkpoint import resolve_checkpoint
 
     ckpt = resolve_checkpoint(args.ckpt)
     model = K3ForCausalLM.from_pretrained(ckpt, dtype=to_dtype(args.dtype)).eval()

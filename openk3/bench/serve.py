@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import os
 import statistics
 import time
 
@@ -217,10 +216,9 @@ def _spec_run(model, prompts, params, spec) -> dict:
 @torch.inference_mode()
 def speculative_section(ckpt: str | None, fallback, quick: bool) -> dict:
     if ckpt:
-        from openk3.train.checkpoint import latest_checkpoint
+        from openk3.train.checkpoint import resolve_checkpoint
 
-        if os.path.isdir(os.path.join(ckpt, "checkpoints")):  # a training run folder: its latest checkpoint
-            ckpt = latest_checkpoint(ckpt) or ckpt
+        ckpt = resolve_checkpoint(ckpt)  # a training run folder: its latest checkpoint
         model = K3ForCausalLM.from_pretrained(ckpt).eval()
         tok = load_tokenizer(ckpt, model.text_config)
         # Repeated phrases: a 200-step tiny model continues these, while it does not yet copy whole passages.

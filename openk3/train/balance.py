@@ -101,6 +101,14 @@ def recover_quantile_bias(hist_EB: torch.Tensor, lo: float, hi: float, k: int) -
     return lo + (bin_E + frac_E) * ((hi - lo) / B)
 
 
+def quantile_bias_update(hist_EB: torch.Tensor, lo: float, hi: float, k: int, bias_E: torch.Tensor,
+                         ema: float = 0.0) -> torch.Tensor:  # fmt: skip
+    """The new bias from one step's histogram (§2.2 Recover, centre, and the optional EMA): b = ema·b_old +
+    (1 − ema)·(b̂ − mean b̂), in b_old's dtype. ema = 0 is K3's rule."""
+    b_hat_E = recover_quantile_bias(hist_EB, lo, hi, k)
+    return (ema * bias_E.double() + (1.0 - ema) * (b_hat_E - b_hat_E.mean())).to(bias_E.dtype)
+
+
 def exact_quantile_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int) -> torch.Tensor:
     """One exact QB step (§2.5): b̂_j = midpoint of the q-th and (q+1)-th smallest r_ij over tokens,
     q = round(T·k/n), then mean-centred. The midpoint (not an order statistic) keeps every biased score off its
@@ -246,8 +254,9 @@ class Balancer:
                                          self.num_bins, mask_T, self.exact_thresholds)  # fmt: skip
             self._hist[i] = hist_EB if self._hist[i] is None else self._hist[i] + hist_EB
 
-    def _reduced_counts(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """The step's loads and histograms, summed over micro-batches and (one collective) over process_group."""
+    def _reduced_counts(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[int]]:
+        """The step's loads, histograms and near-tie counts per layer, summed over micro-batches and (one
+        collective) over process_group."""
         parts, shapes = [], []
         for i, layer in enumerate(self.layers):
             p = layer.gate.e_score_correction_bias
@@ -271,10 +280,9 @@ class Balancer:
         out = list(flat.split([math.prod(s) for s in shapes]))
         out = [t.view(s) for t, s in zip(out, shapes)]
         per = 3 if self.method == "quantile" else 2
-        self._step_ties = [int(t) for t in out[1::per]]
-        if self.method == "quantile":
-            return out[0::3], out[2::3]
-        return out[0::2], [None] * len(self.layers)
+        ties = [int(t) for t in out[1::per]]
+        hists = out[2::3] if self.method == "quantile" else [None] * len(self.layers)
+        return out[0::per], hists, ties
 
     @torch.no_grad()
     def step(self) -> dict:
@@ -285,7 +293,7 @@ class Balancer:
         bin_width_per_layer (w after the update), near_tie_fraction_per_layer (router health, §3: the fraction of
         tokens whose k-th and (k+1)-th biased scores differ by less than the bin width w in use this step),
         tokens_per_step (m), q_bar (m·k/n of the first layer)."""
-        loads_LE, hists = self._reduced_counts()
+        loads_LE, hists, ties = self._reduced_counts()
         loads = [t.cpu() for t in loads_LE]
         old, new = [], []
         for i, layer in enumerate(self.layers):
@@ -295,9 +303,7 @@ class Balancer:
             k, E = layer.top_k, b_E.numel()
             m = int(loads[i].sum()) // k
             if m > 0 and self.method == "quantile":  # no token this step: keep b (§2.2)
-                b_hat_E = recover_quantile_bias(hists[i], self.lo[i], self.hi[i], k)
-                b_hat_E = b_hat_E - b_hat_E.mean()
-                b_E = (self.ema * b_E.double() + (1.0 - self.ema) * b_hat_E).to(b_E.dtype)
+                b_E = quantile_bias_update(hists[i], self.lo[i], self.hi[i], k, b_E, self.ema)
             elif m > 0 and self.method == "sign":
                 b_E = b_E + (self.sign_rate * torch.sign(m * k / E - loads_LE[i].double())).to(b_E.dtype)
             if self.method != "none":
@@ -318,7 +324,7 @@ class Balancer:
             "bias_std_per_layer": [float(b.double().std()) for b in new],
             "bias_change_per_layer": [float((b.double() - a.double()).norm()) for a, b in zip(old, new)],
             "bin_width_per_layer": [(hi - lo) / self.num_bins for lo, hi in zip(self.lo, self.hi)],
-            "near_tie_fraction_per_layer": [t / m if m > 0 else 0.0 for t in self._step_ties],
+            "near_tie_fraction_per_layer": [t / m if m > 0 else 0.0 for t in ties],
             "tokens_per_step": m,
             "q_bar": m * k0 / loads[0].numel(),
         }

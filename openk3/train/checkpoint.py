@@ -125,6 +125,16 @@ def latest_checkpoint(run_dir: str) -> str | None:
     return path
 
 
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint folder, or a training run folder (its latest checkpoint)."""
+    if os.path.isdir(os.path.join(path, CHECKPOINTS)):
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise FileNotFoundError(f"training run {path} has no finished checkpoint yet")
+        return latest
+    return path
+
+
 def load_trainer_files(path: str, optimizer) -> dict:
     """Restore the optimizer and RNG from checkpoint folder `path`; return the trainer state dict."""
     with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as f:

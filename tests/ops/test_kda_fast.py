@@ -117,6 +117,20 @@ def packed(seq_lens, H=2, K=16, V=8, seed=30):
     return x, h0, cu_seqlens
 
 
+def assert_each_sequence_alone(op, x, h0, cu_seqlens, leaves, o, S, cot):
+    """Each packed sequence run alone through `op` is bitwise the packed run: outputs, final states and every
+    gradient. `leaves` are the packed call's inputs (q, k, v, g, beta, h0) after backward of (o·cot).sum() + S.sum()."""
+    for n in range(len(cu_seqlens) - 1):
+        tokens = slice(int(cu_seqlens[n]), int(cu_seqlens[n + 1]))
+        alone = [t[:, tokens].clone().requires_grad_() for t in x] + [h0[n : n + 1].clone().requires_grad_()]
+        o_n, S_n = op(*alone[:5], initial_state=alone[5], output_final_state=True)
+        ((o_n.float() * cot[:, tokens]).sum() + S_n.sum()).backward()
+        assert torch.equal(o[:, tokens], o_n) and torch.equal(S[n : n + 1], S_n), n
+        for whole, part in zip(leaves[:5], alone[:5]):
+            assert torch.equal(whole.grad[:, tokens], part.grad), n
+        assert torch.equal(leaves[5].grad[n : n + 1], alone[5].grad), n
+
+
 @pytest.mark.parametrize("seq_lens", [[5, 16, 37], [1, 0, 64, 100, 17, 15, 65]])
 def test_packed_is_bitwise_each_sequence_alone(seq_lens, one_thread):
     """Packing needs no padding to the longest sequence; each sequence is bitwise its own run (outputs, states,
@@ -128,15 +142,7 @@ def test_packed_is_bitwise_each_sequence_alone(seq_lens, one_thread):
     ((o * cot).sum() + S.sum()).backward()
     o_rec, S_rec = kda_recurrent(*x, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
     assert rel_rms(o, o_rec) <= 1e-5 and rel_rms(S, S_rec) <= 1e-5
-    for n in range(len(seq_lens)):
-        tokens = slice(int(cu_seqlens[n]), int(cu_seqlens[n + 1]))
-        alone = [t[:, tokens].clone().requires_grad_() for t in x] + [h0[n : n + 1].clone().requires_grad_()]
-        o_n, S_n = kda_chunked(*alone[:5], initial_state=alone[5], output_final_state=True)
-        ((o_n * cot[:, tokens]).sum() + S_n.sum()).backward()
-        assert torch.equal(o[:, tokens], o_n) and torch.equal(S[n : n + 1], S_n), n
-        for whole, part in zip(leaves[:5], alone[:5]):
-            assert torch.equal(whole.grad[:, tokens], part.grad), n
-        assert torch.equal(leaves[5].grad[n : n + 1], alone[5].grad), n
+    assert_each_sequence_alone(kda_chunked, x, h0, cu_seqlens, leaves, o, S, cot)
     if 0 in seq_lens:
         empty = seq_lens.index(0)
         assert torch.equal(S[empty], h0[empty]) and torch.equal(leaves[5].grad[empty], torch.ones_like(h0[empty]))
@@ -301,15 +307,7 @@ def test_bf16_op_packed_is_bitwise_each_sequence_alone(seq_lens, one_thread):
     o_rec, S_rec = kda_recurrent(*(t.double() for t in x), initial_state=h0.double(), output_final_state=True,
                                  cu_seqlens=cu_seqlens)  # fmt: skip
     assert rel_rms(o, o_rec) <= 1e-2 and rel_rms(S, S_rec) <= 1e-2
-    for n in range(len(seq_lens)):
-        tokens = slice(int(cu_seqlens[n]), int(cu_seqlens[n + 1]))
-        alone = [t[:, tokens].clone().requires_grad_() for t in x] + [h0[n : n + 1].clone().requires_grad_()]
-        o_n, S_n = kda_chunked_bf16(*alone[:5], initial_state=alone[5], output_final_state=True)
-        ((o_n.float() * cot[:, tokens]).sum() + S_n.sum()).backward()
-        assert torch.equal(o[:, tokens], o_n) and torch.equal(S[n : n + 1], S_n), n
-        for whole, part in zip(leaves[:5], alone[:5]):
-            assert torch.equal(whole.grad[:, tokens], part.grad), n
-        assert torch.equal(leaves[5].grad[n : n + 1], alone[5].grad), n
+    assert_each_sequence_alone(kda_chunked_bf16, x, h0, cu_seqlens, leaves, o, S, cot)
     if 0 in seq_lens:
         empty = seq_lens.index(0)
         assert torch.equal(S[empty], h0[empty])

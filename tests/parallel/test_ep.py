@@ -1,5 +1,6 @@
 """Expert parallelism on gloo: with the all-to-all dispatcher and the experts split over 2 ranks, each taking half
-of the global batch, the loss and every gradient equal the single-process run (fp32, relative RMS <= 1e-5)."""
+of the global batch, the loss and every gradient equal the single-process run (fp32; relative RMS <= 1e-5 over all
+gradients, <= 1e-4 per tensor)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_helpers import run_ranks
+from grad_match import assert_gradients_match
 
 from openk3 import K3Config, K3ForCausalLM
-from openk3.utils import rel_rms
 
 
 def two_layer_model() -> K3ForCausalLM:
@@ -56,7 +57,4 @@ def test_expert_parallel_matches_single_process():
     results = run_ranks(2, ep_rank)
     for loss, grads, (lo, hi) in results:
         assert abs(loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
-        assert set(grads) == set(ref_grads)
-        for name, g in grads.items():
-            want = ref_grads[name][lo:hi] if ".experts." in name else ref_grads[name]
-            assert rel_rms(g, want) <= 1e-5, name
+        assert_gradients_match(grads, {name: g[lo:hi] if ".experts." in name else g for name, g in ref_grads.items()})

@@ -1,5 +1,6 @@
 """parallelize() on gloo: data parallel (FSDP2), expert parallel and both (2x2) give the single-process loss and
-every parameter's gradient on the same global batch (fp32, relative RMS <= 1e-5), including packed documents."""
+every parameter's gradient on the same global batch (fp32; relative RMS <= 1e-5 over all gradients, <= 1e-4 per
+tensor), including packed documents."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_ranks
+from grad_match import assert_gradients_match
 from test_ep import batch, loss_and_grads, two_layer_model
 
 from openk3.model.batch import ForwardBatch
-from openk3.utils import rel_rms
 
 
 def packed_loss_and_grads(model, ids):
@@ -53,12 +54,9 @@ def test_parallel_layouts_match_single_process(dp, ep, packed):
     ref_loss, ref_grads = (packed_loss_and_grads if packed else loss_and_grads)(two_layer_model(), batch())
     for loss, grads, expert_range in run_ranks(dp * ep, parallel_rank, dp, ep, packed):
         assert abs(loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
-        assert set(grads) == set(ref_grads)
-        for name, g in grads.items():
-            want = ref_grads[name]
-            if ".experts." in name and expert_range is not None:
-                want = want[expert_range[0] : expert_range[1]]
-            assert rel_rms(g, want) <= 1e-5, name
+        want = {name: g[expert_range[0] : expert_range[1]] if ".experts." in name and expert_range is not None else g
+                for name, g in ref_grads.items()}  # fmt: skip
+        assert_gradients_match(grads, want)
 
 
 def balance_rank(rank: int, world: int, dp: int, ep: int):

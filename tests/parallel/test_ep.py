@@ -1,5 +1,5 @@
 """Expert parallelism on gloo: with the all-to-all dispatcher and the experts split over 2 ranks, each taking half
-of the global batch, the loss and every gradient equal the single-process run (fp32; relative RMS <= 1e-5 over all
+of the global batch, the loss and every gradient equal the single-process run (fp32; relative RMS <= 2e-5 over all
 gradients, <= 1e-4 per tensor)."""
 
 from __future__ import annotations

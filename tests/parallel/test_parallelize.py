@@ -1,5 +1,5 @@
 """parallelize() on gloo: data parallel (FSDP2), expert parallel and both (2x2) give the single-process loss and
-every parameter's gradient on the same global batch (fp32; relative RMS <= 1e-5 over all gradients, <= 1e-4 per
+every parameter's gradient on the same global batch (fp32; relative RMS <= 2e-5 over all gradients, <= 1e-4 per
 tensor), including packed documents."""
 
 from __future__ import annotations

@@ -272,6 +272,16 @@ def test_bf16_op_matches_fp64_recurrent(T):
     assert S_none is None and torch.equal(o_none, o)
 
 
+@pytest.mark.parametrize("chunk_size", [8, 12])
+def test_bf16_op_other_tile_sizes(chunk_size):
+    """Tiles of 8 (block doubling inverse) and 12 rows (row-by-row inverse, the non-power-of-two branch) also match
+    the token loop within 1e-2."""
+    x_bf, x64 = bf16_inputs(2, 100, seed=chunk_size)
+    o, S = kda_chunked_bf16(*x_bf, output_final_state=True, chunk_size=chunk_size)
+    o_ref, S_ref = kda_recurrent(*x64, output_final_state=True)
+    assert rel_rms(o, o_ref) <= 1e-2 and rel_rms(S, S_ref) <= 1e-2, (rel_rms(o, o_ref), rel_rms(S, S_ref))
+
+
 @pytest.mark.parametrize("T", [17, 100, 300])
 def test_bf16_op_gradients_match_fp64_autograd_of_recurrent(T):
     """Every gradient (q, k, v, g_raw, beta, A_log, dt_bias, h0, g) within 1e-2 of fp64 autograd of the token loop

@@ -45,13 +45,13 @@ import warnings
 
 import torch
 
-from openk3.ops.kda.chunk import run_chunked
-from openk3.ops.kda.tile_ref import unit_lower_inverse
+from openk3.ops.kda.chunk import _CHECKPOINT_TILES, run_chunked, unit_lower_inverse_rows
 
 __all__ = ["kda_chunked_bf16"]
 
-# Tiles per state step: the 64-token chunk of FLA's chunk_kda, and the backward's checkpoint interval.
-STATE_TILES = 4
+# Tiles per state step: the 64-token chunk of FLA's chunk_kda. It is the fp32 backward's checkpoint interval by
+# construction: the backward recomputes each chunk from the state this forward saves at its start.
+STATE_TILES = _CHECKPOINT_TILES
 # Chunks per block: the elementwise kernel and the batched products run over 16 tiles (256 tokens) at a time.
 _BLOCK_CHUNKS = 4
 
@@ -279,7 +279,7 @@ def _chunk_block(ws: _Workspace, scale: float) -> torch.Tensor:
     if C & (C - 1) == 0:
         Tinv = block_unit_lower_inverse(L_kk, out=ws.Tinv)
     else:
-        Tinv = ws.Tinv.copy_(unit_lower_inverse(L_kk))
+        Tinv = ws.Tinv.copy_(unit_lower_inverse_rows(L_kk))
     TinvB = torch.mul(Tinv, beta.mT, out=ws.TinvB)  # Tinv Diag(β)
     Aqk6 = ws.Aqk.view(nc, R, S, C, S, C)
     Aqk6.diagonal(0, 2, 4).copy_(ws.Pqk.masked_fill_(ws.upper, 0.0).permute(1, 2, 3, 4, 0))

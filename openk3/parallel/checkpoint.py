@@ -96,7 +96,7 @@ def _optimizer_state(model: nn.Module, optimizer, mesh: DeviceMesh | None, dims:
             if ".experts.w" in name:
                 for key, t in entry.items():
                     if isinstance(t, torch.Tensor) and t.dim() > 0:
-                        entry[key] = DTensor.from_local(t, mesh, [Replicate(), Shard(0), Replicate()], run_check=False)
+                        entry[key] = DTensor.from_local(t, mesh, _expert_placements(dims), run_check=False)
                         wrapped.append((entry, key))
     return state, wrapped
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from openk3.parallel.checkpoint import export_pretrained, load_optimizer, save_optimizer
+from openk3.parallel.checkpoint import export_pretrained, save_optimizer
 from openk3.parallel.cp import ContextParallel
 from openk3.parallel.dims import ParallelDims
 from openk3.parallel.parallelize import expert_parameters, parallelize, sync_expert_grads
@@ -53,12 +53,13 @@ class DistributedTrainer(Trainer):
         coords = self.mesh.get_coordinate()
         self.data_rank = coords[0] * self.dims.ep + coords[1]  # which share of the rows this rank takes
 
+    def _layout(self):
+        return self.mesh, self.dims
+
     def _load_trainer_state(self, ckpt: str) -> dict:
         if not os.path.isdir(os.path.join(ckpt, "optimizer-dcp")):
             raise ValueError(f"{ckpt} has no optimizer-dcp folder; resume a one-process checkpoint in one process")
-        load_optimizer(self.model, self.optimizer, os.path.join(ckpt, "optimizer-dcp"), self.mesh, self.dims)
-        with open(os.path.join(ckpt, "trainer_state.json"), encoding="utf-8") as f:
-            return json.load(f)
+        return super()._load_trainer_state(ckpt)
 
     def _data_group(self):
         return dist.group.WORLD
@@ -132,8 +133,6 @@ class DistributedTrainer(Trainer):
     def save(self) -> str:
         """checkpoints/step-N: the gathered model in the official format with its tokenizer (rank 0), the optimizer
         as a DCP folder (every rank its shards; loads at any layout, one process included) and the trainer state."""
-        from openk3.train.trainer import _json_balancer
-
         root = os.path.join(self.run_dir, CHECKPOINTS)
         name = f"step-{self.step:08d}"
         tmp = os.path.join(root, f".tmp-{name}")
@@ -144,9 +143,7 @@ class DistributedTrainer(Trainer):
         save_optimizer(self.model, self.optimizer, os.path.join(tmp, "optimizer-dcp"), self.mesh, self.dims)
         if self.rank == 0:
             self.data.tokenizer.save(tmp)
-            state = {"step": self.step, "data": self.data.state_dict(), "balancer": _json_balancer(self.balancer.state_dict()),
-                     "nonfinite_total": self.nonfinite_total, "tokens_seen": self.tokens_seen,
-                     "world_size": self.world, "layout": vars(self.dims)}  # fmt: skip
+            state = {**self._trainer_state(), "step": self.step, "world_size": self.world, "layout": vars(self.dims)}
             with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
                 json.dump(state, f, indent=1)
             publish_checkpoint(root, tmp, name, self.cfg.keep_checkpoints)

@@ -112,14 +112,19 @@ class Trainer:
     def _global_loss(self, local: float) -> float:
         return local
 
+    def _layout(self):
+        """(mesh, ParallelDims) of this process's parallel layout: none, in one process."""
+        from openk3.parallel.dims import ParallelDims
+
+        return None, ParallelDims()
+
     def _load_trainer_state(self, ckpt: str) -> dict:
         """Optimizer, RNG and trainer state of checkpoint `ckpt`. A checkpoint written by a multi-process run holds
         its optimizer as a torch.distributed.checkpoint folder, which loads at any layout, this one included."""
         if os.path.isdir(os.path.join(ckpt, "optimizer-dcp")):
             from openk3.parallel.checkpoint import load_optimizer
-            from openk3.parallel.dims import ParallelDims
 
-            load_optimizer(self.model, self.optimizer, os.path.join(ckpt, "optimizer-dcp"), None, ParallelDims())
+            load_optimizer(self.model, self.optimizer, os.path.join(ckpt, "optimizer-dcp"), *self._layout())
             with open(os.path.join(ckpt, "trainer_state.json"), encoding="utf-8") as f:
                 return json.load(f)
         return load_trainer_files(ckpt, self.optimizer)
@@ -224,15 +229,19 @@ class Trainer:
             out["expert_load"] = self._last_loads
         return out
 
-    def save(self) -> str:
-        state = {
+    def _trainer_state(self) -> dict:
+        """What trainer_state.json holds besides the step, the optimizer and the RNG: data position, balancer state
+        and counters (JSON only)."""
+        return {
             "data": self.data.state_dict(),
             "balancer": _json_balancer(self.balancer.state_dict()),
             "nonfinite_total": self.nonfinite_total,
             "tokens_seen": self.tokens_seen,
         }
-        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, state, self.data.tokenizer,
-                               keep=self.cfg.keep_checkpoints)  # fmt: skip
+
+    def save(self) -> str:
+        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self._trainer_state(),
+                               self.data.tokenizer, keep=self.cfg.keep_checkpoints)  # fmt: skip
 
     # ---- metrics.jsonl -------------------------------------------------------------------------------------------
     @property

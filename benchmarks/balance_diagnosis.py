@@ -37,7 +37,14 @@ from openk3.bench.report import write_report
 from openk3.model.batch import ForwardBatch
 from openk3.model.model import K3ForCausalLM
 from openk3.ops.moe.route import route_topk
-from openk3.train.balance import bias_bounds, near_ties, quantile_bias_update, quantile_histogram, solve_exact
+from openk3.train.balance import (
+    bias_bounds,
+    moe_layers,
+    near_ties,
+    quantile_bias_update,
+    quantile_histogram,
+    solve_exact,
+)
 from openk3.train.checkpoint import resolve_checkpoint
 from openk3.train.config import TrainConfig
 from openk3.train.data import RunData
@@ -47,7 +54,7 @@ from openk3.train.metrics import expert_loads, max_vio, random_routing_maxvio_fl
 @torch.no_grad()
 def record_scores(model, data: RunData, rows: int, seq_len: int, batches: int) -> list[list[torch.Tensor]]:
     """scores[layer][batch] = s [rows·seq_len, E] fp32 of fresh training batches."""
-    layers = [m for m in model.modules() if hasattr(getattr(m, "gate", None), "e_score_correction_bias")]
+    layers = [m for _, m in moe_layers(model)]
     out: list[list[torch.Tensor]] = [[] for _ in layers]
     for i, layer in enumerate(layers):
         layer.observer = lambda module, s_TE, idx_Tk, i=i: out[i].append(s_TE.float().clone())
@@ -130,8 +137,7 @@ def main() -> None:
     model = K3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     text = model.config.text_config
     k, E = text.num_experts_per_token, text.num_experts
-    biases = [m.gate.e_score_correction_bias.float().clone() for m in model.modules()
-              if hasattr(getattr(m, "gate", None), "e_score_correction_bias")]  # fmt: skip
+    biases = [m.gate.e_score_correction_bias.float().clone() for _, m in moe_layers(model)]
     data = RunData(
         TrainConfig(out=os.devnull, progress=False, seed=12345), text, tokenizer_dir=ckpt, log=lambda *a: None
     )

@@ -146,6 +146,13 @@ def near_ties(
     return tied_T.sum()
 
 
+def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every routed MoE block in model order: a module with gate.e_score_correction_bias and an
+    observer hook (duck-typed, so wrapped or subclassed blocks count)."""
+    return [(name, m) for name, m in model.named_modules()
+            if hasattr(getattr(m, "gate", None), "e_score_correction_bias") and hasattr(m, "observer")]  # fmt: skip
+
+
 def _read_bias(p: torch.Tensor) -> torch.Tensor:
     # FSDP2 keeps the parameter sharded between steps; the update needs the whole vector.
     return p.full_tensor() if isinstance(p, DTensor) else p.detach()
@@ -191,11 +198,8 @@ class Balancer:
             raise ValueError(f"balance ema must be in [0, 1), got {ema}")
         self.method, self.num_bins, self.sign_rate, self.process_group = method, num_bins, sign_rate, process_group
         self.exact_thresholds, self.ema = exact_thresholds, ema
-        self.names, self.layers = [], []
-        for name, module in model.named_modules():
-            if hasattr(getattr(module, "gate", None), "e_score_correction_bias") and hasattr(module, "observer"):
-                self.names.append(name)
-                self.layers.append(module)
+        found = moe_layers(model)
+        self.names, self.layers = [name for name, _ in found], [m for _, m in found]
         if not self.layers:
             raise ValueError("Balancer found no MoE layer (no module with gate.e_score_correction_bias)")
         for i, layer in enumerate(self.layers):

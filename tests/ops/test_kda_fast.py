@@ -258,28 +258,19 @@ def bf16_inputs(B, T, H=2, K=32, V=16, seed=0, g_value=None):
     return x_bf, [t.double() for t in x_bf]
 
 
-@pytest.mark.parametrize("T", BF16_LENGTHS)
-def test_bf16_op_matches_fp64_recurrent(T):
+# Tiles of 8 rows (block-doubling inverse) and 12 (row-by-row inverse: the non-power-of-two branch) besides 16.
+@pytest.mark.parametrize(("T", "chunk_size"), [*((T, 16) for T in BF16_LENGTHS), (100, 8), (100, 12)])
+def test_bf16_op_matches_fp64_recurrent(T, chunk_size):
     """Outputs and final states within 1e-2 (STYLE §5) of the token loop at the same bf16-rounded inputs."""
     B, H, K, V = 2, 2, 32, 16
     x_bf, x64 = bf16_inputs(B, T, H, K, V, seed=T)
     h0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(T + 1))
-    o, S = kda_chunked_bf16(*x_bf, initial_state=h0, output_final_state=True)
+    o, S = kda_chunked_bf16(*x_bf, initial_state=h0, output_final_state=True, chunk_size=chunk_size)
     o_ref, S_ref = kda_recurrent(*x64, initial_state=h0.double(), output_final_state=True)
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
     assert rel_rms(o, o_ref) <= 1e-2 and rel_rms(S, S_ref) <= 1e-2, (rel_rms(o, o_ref), rel_rms(S, S_ref))
-    o_none, S_none = kda_chunked_bf16(*x_bf, initial_state=h0)
+    o_none, S_none = kda_chunked_bf16(*x_bf, initial_state=h0, chunk_size=chunk_size)
     assert S_none is None and torch.equal(o_none, o)
-
-
-@pytest.mark.parametrize("chunk_size", [8, 12])
-def test_bf16_op_other_tile_sizes(chunk_size):
-    """Tiles of 8 (block doubling inverse) and 12 rows (row-by-row inverse, the non-power-of-two branch) also match
-    the token loop within 1e-2."""
-    x_bf, x64 = bf16_inputs(2, 100, seed=chunk_size)
-    o, S = kda_chunked_bf16(*x_bf, output_final_state=True, chunk_size=chunk_size)
-    o_ref, S_ref = kda_recurrent(*x64, output_final_state=True)
-    assert rel_rms(o, o_ref) <= 1e-2 and rel_rms(S, S_ref) <= 1e-2, (rel_rms(o, o_ref), rel_rms(S, S_ref))
 
 
 @pytest.mark.parametrize("T", [17, 100, 300])

@@ -4,6 +4,7 @@ checkpointing, metrics, plots, synthetic tasks and export."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -178,11 +179,24 @@ def test_activation_checkpointing_gives_the_same_step(corpus, tmp_path):
 
 
 def test_synthetic_task_and_bf16_autocast(tmp_path):
-    cfg = TrainConfig(data="mqar", batch_size=4, seq_len=64, steps=2, eval_every=2, out=str(tmp_path),
-                      precision="bf16", **QUIET)  # fmt: skip
-    row = Trainer(cfg, log=lambda *a: None).run()
-    assert 0.0 <= row["mqar_acc"] <= 1.0 and 0.0 <= row["needle_acc"] <= 1.0
-    assert torch.isfinite(torch.tensor(row["loss"]))
+    """bf16 autocast on the synthetic MQAR task tracks the fp32 run of the same seed: the losses differ (autocast
+    really ran) but stay within 1% (measured: 8e-4 at step 1, 7e-3 at step 2), and the run evaluates every
+    synthetic metric. Step 1's loss sits at ln(vocab) (a random init predicts uniformly)."""
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        cfg = TrainConfig(data="mqar", batch_size=4, seq_len=64, steps=2, eval_every=2, out=str(tmp_path / precision),
+                          precision=precision, **QUIET)  # fmt: skip
+        last = Trainer(cfg, log=lambda *a: None).run()
+        runs[precision] = (_losses(tmp_path / precision), last)
+    (fp32, last32), (bf16, last16) = runs["fp32"], runs["bf16"]
+    assert len(fp32) == len(bf16) == 2
+    vocab = K3ForCausalLM.from_pretrained(latest_checkpoint(str(tmp_path / "bf16"))).text_config.vocab_size
+    assert abs(fp32[0] - math.log(vocab)) < 0.2
+    for a, b in zip(fp32, bf16):
+        assert a != b and abs(a - b) <= 1e-2 * a, (fp32, bf16)
+    for key in ("val_loss", "mqar_acc", "mqar_acc_4x", "needle_acc"):
+        assert key in last16 and math.isfinite(last16[key]), key
+    assert abs(last16["val_loss"] - last32["val_loss"]) <= 1e-2 * last32["val_loss"]
 
 
 def test_export_writes_release_dtypes(corpus, tmp_path):

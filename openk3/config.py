@@ -8,6 +8,10 @@ The dataclasses mirror the official JSON (spec/model.md §1): a top-level `K3Con
 Layer schedule (spec/model.md §2, 0-based layer l): KDA iff l + 1 is in `linear_attn_config.kda_layers`, MLA iff l + 1
 is in `full_attn_layers`; dense FFN iff l < first_k_dense_replace (or off the MoE frequency); an AttnRes block starts
 at every l % attn_res_block_size == 0.
+
+Reading checks every JSON value against its field's type (integers are never bools or floats), and `validate` bounds
+every size (`_TEXT_SIZES`, `_KDA_SIZES`) before anything is sized from it. Errors name the field (dotted, as
+`text_config.linear_attn_config.num_heads`); `from_pretrained` adds the file.
 """
 
 from __future__ import annotations
@@ -17,12 +21,71 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
+
+from openk3.utils import file_inside, read_json
 
 # The largest per-step |log-decay| for which a 16-token tile anchored before its first token keeps e^{16|L|} finite
 # in fp32 (spec/kda.md §5: C * |L| < 88.72).
 _KDA_TILE = 16
 _FP32_LOG_MAX = 88.72
+
+# Inclusive (min, max) of every integer size, checked before anything is built from it (a typo'd 10**9 layers would
+# otherwise fill memory in `validate` itself). The maxima are generous next to the release's values (in comments).
+_MAX_LAYERS = 10_000
+_TEXT_SIZES = {
+    "vocab_size": (1, 2**24),  # 163840
+    "hidden_size": (1, 2**17),  # 7168
+    "num_hidden_layers": (1, _MAX_LAYERS),  # 93
+    "intermediate_size": (0, 2**20),  # 33792; positive if a layer is dense (checked below)
+    "num_attention_heads": (1, 4096),  # 96
+    "num_key_value_heads": (1, 4096),  # 96
+    "q_lora_rank": (1, 2**17),  # 1536
+    "kv_lora_rank": (1, 2**17),  # 512
+    "qk_nope_head_dim": (1, 4096),  # 128
+    "qk_rope_head_dim": (0, 4096),  # 64
+    "v_head_dim": (1, 4096),  # 128
+    "attn_res_block_size": (1, _MAX_LAYERS),  # 12
+    "max_position_embeddings": (1, 2**31 - 1),  # 1048576
+    "num_experts": (1, 2**16),  # 896
+    "num_experts_per_token": (1, 2**16),  # 16
+    "num_shared_experts": (0, 1024),  # 2
+    "moe_intermediate_size": (1, 2**20),  # 3072
+    "routed_expert_hidden_size": (1, 2**17),  # 3584, the latent width of the routed experts
+    "num_expert_group": (1, 2**16),  # 1
+    "topk_group": (1, 2**16),  # 1
+    "first_k_dense_replace": (0, _MAX_LAYERS),  # 1
+    "moe_layer_freq": (1, _MAX_LAYERS),  # 1
+    "num_nextn_predict_layers": (0, _MAX_LAYERS),  # 0
+}
+_KDA_SIZES = {"num_heads": (1, 4096), "head_dim": (1, 4096), "short_conv_kernel_size": (1, 1024)}  # 96, 128, 4
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    if not _is_int(value) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {_show(value)}")
+
+
+# What a JSON value must be for each field annotation (`X | None` also takes null); other annotations are not checked.
+_JSON_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "int": ("an integer", _is_int),
+    "float": ("a finite number", lambda v: _is_int(v) or (isinstance(v, float) and math.isfinite(v))),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "list[int]": ("a list of integers", lambda v: isinstance(v, list) and all(map(_is_int, v))),
+    "list[str]": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    "dict[str, Any]": ("a JSON object", lambda v: isinstance(v, dict)),
+    "dict[str, str]": ("a JSON object", lambda v: isinstance(v, dict)),
+}
 
 
 class _JsonSection:
@@ -32,13 +95,26 @@ class _JsonSection:
     _NESTED: ClassVar[dict[str, type]] = {}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]):
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        kwargs = {k: v for k, v in data.items() if k in names}
-        for key, section in cls._NESTED.items():
-            if kwargs.get(key) is not None:
-                kwargs[key] = section.from_dict(kwargs[key])
-        return cls(**kwargs, extra={k: v for k, v in data.items() if k not in names})
+    def from_dict(cls, data: dict[str, Any], where: str = ""):
+        """`where` is the section's dotted name in errors ("" at the top, then "text_config", ...)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where or 'config'} must be a JSON object, got {_show(data)}")
+        annotations = {f.name: f.type for f in dataclasses.fields(cls) if f.name != "extra"}
+        kwargs = {}
+        for key, value in data.items():
+            if key not in annotations:
+                continue
+            name, annotation = f"{where}.{key}" if where else key, annotations[key]
+            if value is None and annotation.endswith(" | None"):
+                pass
+            elif key in cls._NESTED:
+                value = cls._NESTED[key].from_dict(value, name)
+            elif annotation.removesuffix(" | None") in _JSON_TYPES:
+                expected, ok = _JSON_TYPES[annotation.removesuffix(" | None")]
+                if not ok(value):
+                    raise ValueError(f"{name} must be {expected}, got {_show(value)}")
+            kwargs[key] = value
+        return cls(**kwargs, extra={k: v for k, v in data.items() if k not in annotations})
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -121,8 +197,9 @@ class QuantizationConfig(_JsonSection):
                 f"quant_method={self.quant_method!r} format={self.format!r}"
             )
         for name, group in self.config_groups.items():
-            weights = group.get("weights") or {}
-            if weights.get("num_bits") != 4 or weights.get("group_size") != 32 or weights.get("type") != "float":
+            weights = group.get("weights") if isinstance(group, dict) else None
+            need = {"num_bits": 4, "group_size": 32, "type": "float"}
+            if not isinstance(weights, dict) or any(weights.get(k) != v for k, v in need.items()):
                 raise ValueError(
                     f"quantization_config.config_groups.{name}.weights: MXFP4 needs num_bits=4, group_size=32, "
                     f"type='float'; got {weights}"
@@ -172,9 +249,9 @@ class K3TextConfig(_JsonSection):
     moe_layer_freq: int = 1
     num_nextn_predict_layers: int = 0
     tie_word_embeddings: bool = False
-    bos_token_id: int = 163584
-    eos_token_id: int = 163586
-    pad_token_id: int = 163839
+    bos_token_id: int | None = 163584
+    eos_token_id: int | None = 163586
+    pad_token_id: int | None = 163839
     use_cache: bool = True
     dtype: str = "bfloat16"
     model_type: str = "kimi_linear"
@@ -226,29 +303,23 @@ class K3TextConfig(_JsonSection):
         return math.ceil(self.num_hidden_layers / self.attn_res_block_size)
 
     def validate(self) -> None:
-        """Raise ValueError naming the first inconsistent field."""
-        positive = [
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
-            "qk_nope_head_dim", "v_head_dim", "attn_res_block_size", "num_experts", "num_experts_per_token",
-            "moe_intermediate_size", "moe_layer_freq",
-        ]  # fmt: skip
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"text_config.{name} must be a positive integer, got {value!r}")
-        if self.qk_rope_head_dim < 0 or self.first_k_dense_replace < 0 or self.num_shared_experts < 0:
-            raise ValueError("text_config.qk_rope_head_dim, first_k_dense_replace, num_shared_experts must be >= 0")
+        """Raise ValueError naming the first inconsistent field. Sizes and layer lists are checked first, before
+        anything (here, the layer sets) is built from them."""
+        la = self.linear_attn_config
+        for name, (lo, hi) in _TEXT_SIZES.items():
+            _check_int(f"text_config.{name}", getattr(self, name), lo, hi)
+        for name, (lo, hi) in _KDA_SIZES.items():
+            _check_int(f"text_config.linear_attn_config.{name}", getattr(la, name), lo, hi)
+        for name in ("kda_layers", "full_attn_layers"):
+            ids = getattr(la, name)
+            if not isinstance(ids, (list, tuple)) or not all(map(_is_int, ids)):
+                raise ValueError(f"text_config.linear_attn_config.{name} must be a list of integers, got {_show(ids)}")
         if any(self.ffn_kind(layer) == "dense" for layer in range(self.num_hidden_layers)) and self.intermediate_size <= 0:
             raise ValueError(f"text_config.intermediate_size must be positive, got {self.intermediate_size!r}")
         if self.num_experts_per_token > self.num_experts:
             raise ValueError(
                 f"text_config.num_experts_per_token ({self.num_experts_per_token}) exceeds "
                 f"num_experts ({self.num_experts})"
-            )
-        if not isinstance(self.routed_expert_hidden_size, int) or self.routed_expert_hidden_size <= 0:
-            raise ValueError(
-                f"text_config.routed_expert_hidden_size (the latent width of the routed experts) must be a positive "
-                f"integer, got {self.routed_expert_hidden_size!r}"
             )
         if not self.latent_moe_use_norm:
             raise ValueError("text_config.latent_moe_use_norm must be true (Stable LatentMoE normalises after the sum)")
@@ -276,12 +347,8 @@ class K3TextConfig(_JsonSection):
             raise ValueError("text_config.tie_word_embeddings must be false: K3's lm_head is a separate matrix")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             token = getattr(self, name)
-            if token is not None and not 0 <= token < self.vocab_size:
-                raise ValueError(f"text_config.{name} ({token}) is outside the vocabulary of {self.vocab_size}")
-        la = self.linear_attn_config
-        for name in ("num_heads", "head_dim", "short_conv_kernel_size"):
-            if getattr(la, name) <= 0:
-                raise ValueError(f"text_config.linear_attn_config.{name} must be positive, got {getattr(la, name)}")
+            if token is not None and not (_is_int(token) and 0 <= token < self.vocab_size):
+                raise ValueError(f"text_config.{name} ({token!r}) is outside the vocabulary of {self.vocab_size}")
         if not la.use_full_rank_gate:
             raise ValueError("text_config.linear_attn_config.use_full_rank_gate must be true (K3's g_proj is full rank)")
         if not (la.gate_lower_bound < 0 and _KDA_TILE * abs(la.gate_lower_bound) < _FP32_LOG_MAX):
@@ -327,9 +394,9 @@ class K3Config(_JsonSection):
             "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
         }
     )
-    bos_token_id: int = 163584
-    eos_token_id: int = 163586
-    pad_token_id: int = 163839
+    bos_token_id: int | None = 163584
+    eos_token_id: int | None = 163586
+    pad_token_id: int | None = 163839
     dtype: str = "bfloat16"
     ignore_index: int = -100
     image_placeholder: str = "<|kimi_image_placeholder|>"
@@ -340,6 +407,8 @@ class K3Config(_JsonSection):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> K3Config:
+        if not isinstance(data, dict):
+            raise ValueError(f"config must be a JSON object, got {_show(data)}")
         if "text_config" not in data:
             raise ValueError("config: no 'text_config' (expected a kimi_k3 config.json with a nested text_config)")
         if data.get("model_type", "kimi_k3") != "kimi_k3":
@@ -351,13 +420,16 @@ class K3Config(_JsonSection):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> K3Config:
-        """Read `config.json` from a checkpoint folder (or the file itself)."""
+        """Read `config.json` from a checkpoint folder (or the file itself); errors name the file."""
         path = os.fspath(path)
-        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        file = file_inside(path, "config.json") if os.path.isdir(path) else path
         if not os.path.exists(file):
             raise FileNotFoundError(f"no config.json at {file}")
-        with open(file, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        data = read_json(file)
+        try:
+            return cls.from_dict(data)
+        except ValueError as err:
+            raise ValueError(f"{file}: {err}") from err
 
     def to_json_string(self) -> str:
         # The exact layout transformers writes (sorted keys, 2-space indent, trailing newline).

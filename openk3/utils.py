@@ -1,4 +1,5 @@
-"""Tiny process-agnostic helpers shared by every openk3 package: dtype names, seeding, relative error.
+"""Tiny process-agnostic helpers shared by every openk3 package: dtype names, seeding, relative error, and the two
+checks every reader of a checkpoint folder uses (`file_inside`, `read_json`).
 
 Only the standard library and torch may be imported here (see STYLE.md §2).
 """
@@ -7,7 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import os
 import random
+from typing import Any
 
 import torch
 
@@ -45,6 +49,43 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     denom = b64.pow(2).mean().sqrt().item()
     num = (a64 - b64).pow(2).mean().sqrt().item()
     return num / denom if denom > 0 else num
+
+
+def file_inside(folder: str | os.PathLike, name: str, what: str = "checkpoint file") -> str:
+    """`folder/name`, refused with a ValueError (`what`, `name`, where it leads) unless it resolves strictly inside
+    `folder` once symlinks are followed: a checkpoint may only name files it holds, never `../x`, `/abs/x`, a symlink
+    leading out, or the folder itself (`""`, `"."`). One exception: a Hugging Face cache snapshot
+    (`models--ORG--NAME/snapshots/REV/`) holds symlinks into its own repository's `blobs/`, and those are allowed."""
+    path = os.path.join(folder, name)
+    root, real = os.path.realpath(folder), os.path.realpath(path)
+    named_out = os.path.isabs(name) or ".." in name.replace("\\", "/").split("/")
+    if named_out or real == root or not (_under(root, real) or _under(_hf_blobs(root), real)):
+        raise ValueError(f"{what} {name!r} resolves to {real}, which is not inside the folder {root}")
+    return path
+
+
+def _under(root: str | None, path: str) -> bool:
+    return root is not None and path != root and os.path.commonpath([root, path]) == root
+
+
+def _hf_blobs(snapshot: str) -> str | None:
+    """The `blobs/` folder of a Hugging Face cache repository when `snapshot` is one of its snapshots, else None."""
+    snapshots = os.path.dirname(snapshot)
+    repo = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith(("models--", "datasets--")):
+        return os.path.join(repo, "blobs")
+    return None
+
+
+def read_json(file: str) -> Any:
+    """`json.load` of `file`, with a one-line ValueError naming the file (and line and column) when it is not JSON."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from err
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{file}: not UTF-8 text (byte {err.start})") from err
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ import pytest
 
 from openk3.config import K3Config, K3TextConfig, LinearAttnConfig
 
+from config_edit import edited_preset
 from conftest import MXFP4, PLAIN
 
 
@@ -63,14 +64,7 @@ def test_presets_keep_every_mechanism(name):
 
 
 def _bad(**changes):
-    data = K3Config.preset("tiny").to_dict()
-    for path, value in changes.items():
-        node = data
-        *parents, leaf = path.split("__")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return data
+    return edited_preset("tiny", **changes)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,8 @@ User text is always encoded with special tokens disallowed (`encode_ordinary` se
 special token's name is encoded as plain text and cannot inject control tokens.
 
 `load_tokenizer(path, text_config)` picks, in order: `tokenizer.json` (our BPE) -> `tiktoken.model` (official format)
--> `ByteTokenizer`, and checks the ids against the model config.
+-> `ByteTokenizer`, and checks the ids against the model config. The files must resolve inside `path` (no symlink
+leading out), and an unreadable one is a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import os
 import re
 import shutil
 from collections.abc import Iterable, Iterator
+
+from openk3.utils import file_inside, read_json
 
 NUM_SPECIAL_TOKENS = 256
 # K3's workaround for a tiktoken limit (spec §14): encode in 400,000-character windows and cut any run of whitespace
@@ -83,7 +86,9 @@ class BPETokenizer:
         self.fingerprint = "bpe:" + hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch of one text: the same ids as encode, but it releases the GIL (encode holds it for seconds on
+        # a long text, freezing every other thread, e.g. a server's event loop).
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return [self.bos_token_id, *ids] if add_bos else ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -108,12 +113,12 @@ class BPETokenizer:
     def from_dir(cls, path: str | os.PathLike) -> BPETokenizer:
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-        meta_file = os.path.join(path, "tokenizer_config.json")
-        meta = {}
-        if os.path.exists(meta_file):
-            with open(meta_file, encoding="utf-8") as f:
-                meta = json.load(f)
+        file = file_inside(path, "tokenizer.json", "tokenizer file")
+        try:
+            tok = Tokenizer.from_file(file)
+        except Exception as err:  # `tokenizers` raises a bare Exception for a malformed file
+            raise ValueError(f"{file}: not a readable tokenizers file ({err})") from err
+        meta = _read_config(path)
         names = {k: meta[k] for k in ("bos_token", "eos_token", "pad_token") if isinstance(meta.get(k), str)}
         return cls(tok, **names)
 
@@ -247,18 +252,22 @@ class TikTokenTokenizer:
     @classmethod
     def from_dir(cls, path: str | os.PathLike, pattern: str | None = None) -> TikTokenTokenizer:
         explicit = pattern is not None
-        model_file = os.path.join(path, "tiktoken.model")
+        model_file = file_inside(path, "tiktoken.model", "tokenizer file")
         ranks = _read_tiktoken_model(model_file)
         config_file = os.path.join(path, "tokenizer_config.json")
-        config: dict = {}
-        if os.path.exists(config_file):
-            with open(config_file, encoding="utf-8") as f:
-                config = json.load(f)
+        config = _read_config(path)
+        decoder = config.get("added_tokens_decoder", {})
+        if not isinstance(decoder, dict):
+            raise ValueError(f"{config_file}: added_tokens_decoder must be an object, got {type(decoder).__name__}")
         named = {}
-        for key, entry in config.get("added_tokens_decoder", {}).items():
-            named[int(key)] = entry["content"] if isinstance(entry, dict) else str(entry)
+        for key, entry in decoder.items():
+            content = entry.get("content") if isinstance(entry, dict) else entry
+            if not key.isdigit() or not isinstance(content, str):
+                raise ValueError(f"{config_file}: added_tokens_decoder[{key!r}] is not an id -> token: {entry!r}")
+            named[int(key)] = content
         names = _special_names(len(ranks) + NUM_SPECIAL_TOKENS, named)
-        pattern = pattern or config.get("pat_str") or _pattern_from_source(os.path.join(path, "tokenization_kimi.py"))
+        pattern = (pattern or config.get("pat_str")
+                   or _pattern_from_source(file_inside(path, "tokenization_kimi.py", "tokenizer file")))  # fmt: skip
         if pattern is None:
             raise ValueError(
                 f"{path}: no split pattern found (no 'pat_str' in tokenizer_config.json and no pat_str assignment in "
@@ -271,7 +280,7 @@ class TikTokenTokenizer:
             name = entry.get("content") if isinstance(entry, dict) else entry
             if name is None:
                 return None
-            if name not in by_name:
+            if not isinstance(name, str) or name not in by_name:
                 raise ValueError(f"{config_file}: {key} {name!r} is not one of the 256 special tokens")
             return by_name[name]
 
@@ -279,12 +288,24 @@ class TikTokenTokenizer:
         with open(model_file, "rb") as f:
             digest.update(f.read())
         digest.update(json.dumps([names, pattern], sort_keys=True).encode("utf-8"))
-        tok = cls(
-            ranks, names, pattern, special_id("bos_token"), special_id("eos_token"), special_id("pad_token"),
-            "tiktoken:" + digest.hexdigest(),
-        )  # fmt: skip
+        ids = special_id("bos_token"), special_id("eos_token"), special_id("pad_token")
+        try:
+            tok = cls(ranks, names, pattern, *ids, "tiktoken:" + digest.hexdigest())
+        except (ValueError, TypeError) as err:  # tiktoken names neither the folder nor the pattern
+            raise ValueError(f"{path}: tiktoken cannot build an encoding (pattern {pattern!r:.80}): {err}") from err
         tok.source_dir, tok.config, tok.explicit_pattern = os.fspath(path), config, explicit
         return tok
+
+
+def _read_config(path: str | os.PathLike) -> dict:
+    """`path/tokenizer_config.json` as a dict ({} when absent)."""
+    file = file_inside(path, "tokenizer_config.json", "tokenizer file")
+    if not os.path.exists(file):
+        return {}
+    config = read_json(file)
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: must be a JSON object, got {type(config).__name__}")
+    return config
 
 
 def _read_tiktoken_model(file: str) -> dict[bytes, int]:
@@ -298,6 +319,8 @@ def _read_tiktoken_model(file: str) -> dict[bytes, int]:
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
             except ValueError as e:  # binascii.Error is a ValueError
                 raise ValueError(f"{file}:{lineno}: expected 'base64-token rank', got {line[:80]!r} ({e})") from None
+    if not ranks:
+        raise ValueError(f"{file}: no 'base64-token rank' lines")
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError(f"{file}: ranks must be exactly 0..{len(ranks) - 1} with no gaps or repeats")
     return ranks
@@ -308,8 +331,11 @@ def _pattern_from_source(file: str) -> str | None:
     only string literals, `+` and `"sep".join([...])` of them, and earlier module-level string names are evaluated."""
     if not os.path.exists(file):
         return None
-    with open(file, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), filename=file)
+    try:
+        with open(file, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=file)
+    except (SyntaxError, UnicodeDecodeError) as err:
+        raise ValueError(f"{file}: not readable Python source ({err})") from err
     names: dict[str, str] = {}
 
     def evaluate(node: ast.AST) -> str:

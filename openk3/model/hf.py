@@ -8,7 +8,16 @@ Our parameter names equal the checkpoint's after the prefix `language_model.`, e
 Vision tensors (`vision_tower.*`, `mm_projector.*`) are skipped with a notice until the vision tower exists.
 
 Files: `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` listed by `model.safetensors.index.json`.
-Pickle files (.bin/.pt/.pth/.ckpt) are refused and never opened: unpickling can run arbitrary code.
+Pickle files (.bin/.pt/.pth/.ckpt) are refused and never opened: unpickling can run arbitrary code. Every file a
+checkpoint names must resolve inside its folder (no `../`, absolute paths or symlinks leading out), and every error
+names the file and the tensor or index entry.
+
+Dtypes: float tensors load in their stored dtype (the release: bf16, fp32 for the `FP32_PARAM_SUFFIXES` tensors; our
+training: fp32 everywhere). MXFP4 `weight_packed`/`weight_scale` must be uint8, and an integer or bool tensor where a
+float belongs is refused. With `dtype=None`, stored dtypes the forward cannot run together are converted, with one
+warning giving the counts: fp16/fp64 `FP32_PARAM_SUFFIXES` tensors to fp32, every other tensor to bf16 if any of them
+is stored in bf16, else to fp32 (exact for fp16); so fp16, fp64 or a stray fp32 matrix among bf16 ones load runnable.
+MXFP4 experts decode exactly into that dtype, silently. With `dtype` given, `to_dtype` converts everything anyway.
 """
 
 from __future__ import annotations
@@ -17,14 +26,16 @@ import json
 import logging
 import os
 import re
+from collections import Counter
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from openk3.config import K3Config
 from openk3.ops.moe.mxfp4 import check_scales, mxfp4_pack, mxfp4_unpack
+from openk3.utils import file_inside, read_json
 
 log = logging.getLogger("openk3")
 
@@ -44,19 +55,33 @@ def _names(keys) -> str:
     return ", ".join(keys[:_MAX_NAMES]) + more
 
 
+def _open_safetensors(file: str):
+    try:
+        return safe_open(file, "pt")
+    except (SafetensorError, OSError) as err:  # neither names the file
+        raise ValueError(f"{file}: not a readable safetensors file ({err})") from err
+
+
 def _weight_files(path: str) -> dict[str, str]:
-    """Map every stored tensor name to the file holding it."""
-    index = os.path.join(path, INDEX_FILE)
+    """Map every stored tensor name to the file holding it, inside `path`."""
+    index = file_inside(path, INDEX_FILE)
     if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-        missing = {v for v in weight_map.values() if not os.path.exists(os.path.join(path, v))}
+        data = read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict):
+            got = "nothing" if weight_map is None else f"a {type(weight_map).__name__}"
+            raise ValueError(f"{index}: 'weight_map' must be an object of tensor name -> shard file, got {got}")
+        for key, name in weight_map.items():
+            if not isinstance(name, str):
+                raise ValueError(f"{index}: weight_map[{key!r}] must be a file name, got {name!r}")
+        shards = {name: file_inside(path, name, f"{index}: weight_map file") for name in set(weight_map.values())}
+        missing = {name for name, file in shards.items() if not os.path.exists(file)}
         if missing:
-            raise FileNotFoundError(f"{INDEX_FILE} names shard files that do not exist: {_names(missing)}")
-        return {k: os.path.join(path, v) for k, v in weight_map.items()}
-    single = os.path.join(path, SINGLE_FILE)
+            raise FileNotFoundError(f"{index} names shard files that do not exist: {_names(missing)}")
+        return {k: shards[v] for k, v in weight_map.items()}
+    single = file_inside(path, SINGLE_FILE)
     if os.path.exists(single):
-        with safe_open(single, "pt") as f:
+        with _open_safetensors(single) as f:
             return {k: single for k in f.keys()}
     pickles = [n for n in os.listdir(path) if n.endswith(PICKLE_SUFFIXES)]
     if pickles:
@@ -68,23 +93,34 @@ def _weight_files(path: str) -> dict[str, str]:
 
 
 class _Reader:
-    """Opens each safetensors file once and reads tensors by name."""
+    """Opens each safetensors file once and reads tensors by name; errors name the file and the tensor."""
 
     def __init__(self, files: dict[str, str]):
         self.files = files
         self._handles: dict[str, object] = {}
 
-    def get(self, key: str) -> torch.Tensor:
+    def _handle(self, key: str):
         file = self.files[key]
         if file not in self._handles:
-            self._handles[file] = safe_open(file, "pt")
-        return self._handles[file].get_tensor(key)
+            self._handles[file] = _open_safetensors(file)
+        return self._handles[file]
+
+    def get(self, key: str, mxfp4: bool = False) -> torch.Tensor:
+        """Tensor `key`: a float tensor, or uint8 where `mxfp4` (packed codes and scales)."""
+        try:
+            tensor = self._handle(key).get_tensor(key)
+        except SafetensorError as err:
+            raise ValueError(f"{self.files[key]}: cannot read tensor {key} ({err})") from err
+        if (tensor.dtype != torch.uint8) if mxfp4 else not tensor.is_floating_point():
+            raise ValueError(f"{self.files[key]}: tensor {key} is stored as {tensor.dtype}, expected "
+                             f"{'uint8 (MXFP4)' if mxfp4 else 'a float dtype'}")  # fmt: skip
+        return tensor
 
     def shape(self, key: str) -> tuple[int, ...]:
-        file = self.files[key]
-        if file not in self._handles:
-            self._handles[file] = safe_open(file, "pt")
-        return tuple(self._handles[file].get_slice(key).get_shape())
+        try:
+            return tuple(self._handle(key).get_slice(key).get_shape())
+        except SafetensorError as err:
+            raise ValueError(f"{self.files[key]}: cannot read tensor {key} ({err})") from err
 
 
 def _expert_keys(base: str, matrix: str, e: int) -> str:
@@ -106,6 +142,7 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device="cpu"):
         log.warning("skipping %d vision tensors (vision_tower.*, mm_projector.*): the vision tower is not built yet",
                     len(skipped))  # fmt: skip
     used: set[str] = set(skipped)
+    decoded: set[str] = set()  # parameters decoded from MXFP4, exact in any float dtype
     missing, bad_shape, state = [], [], {}
     for name, param in model.named_parameters():
         m = _EXPERTS.match(name)
@@ -114,6 +151,7 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device="cpu"):
             if tensor is not None:
                 state[name] = tensor
                 if hints is not None:
+                    decoded.add(name)
                     experts = model.get_submodule(m.group(1))
                     experts.__dict__.setdefault("mxfp4_scale_hints", {})[m.group(2)] = hints
             continue
@@ -124,7 +162,7 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device="cpu"):
         used.add(key)
         tensor = reader.get(key)
         if name.endswith("A_log"):
-            tensor = _unpad_a_log(key, tensor, param.shape[0])
+            tensor = _unpad_a_log(f"{files[key]}: {key}", tensor, param.shape[0])
         if tuple(tensor.shape) != tuple(param.shape):
             bad_shape.append(f"{key} {tuple(tensor.shape)} (expected {tuple(param.shape)})")
             continue
@@ -139,12 +177,37 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device="cpu"):
         problems.append(f"wrongly shaped tensors: {_names(bad_shape)}")
     if problems:
         raise ValueError(f"checkpoint {path} does not match its config.json; " + "; ".join(problems))
+    if dtype is None:
+        _unify_dtypes(path, state, decoded)
     model.load_state_dict(state, assign=True, strict=True)
     for name, p in model.named_parameters():  # assign=True keeps requires_grad of the loaded tensor
         p.requires_grad_(not name.endswith("e_score_correction_bias"))
     if dtype is not None:
         model.to_dtype(dtype)
     return model.to(device)
+
+
+def _unify_dtypes(path: str, state: dict[str, torch.Tensor], decoded: set[str]) -> None:
+    """Convert, in place, the tensors whose stored dtype the forward cannot run next to the others (module
+    docstring), and warn once with the counts; `decoded` (MXFP4) tensors follow the others silently."""
+    from openk3.model.model import keeps_fp32  # model.py imports this module
+
+    stored = {t.dtype for name, t in state.items() if not keeps_fp32(name) and name not in decoded}
+    compute = torch.bfloat16 if torch.bfloat16 in stored else torch.float32
+    converted: Counter[str] = Counter()
+    for name, tensor in state.items():
+        if keeps_fp32(name):
+            want = tensor.dtype if tensor.dtype in (torch.bfloat16, torch.float32) else torch.float32
+        else:
+            want = compute
+        if tensor.dtype != want:
+            if name not in decoded:
+                converted[f"{tensor.dtype} -> {want}"] += 1
+            state[name] = tensor.to(want)
+    if converted:
+        counts = ", ".join(f"{n} {kind}" for kind, n in sorted(converted.items()))
+        log.warning("checkpoint %s: converted %d tensors to dtypes the model can run (%s); pass dtype= to choose one",
+                    path, sum(converted.values()), counts)  # fmt: skip
 
 
 def _unpad_a_log(key: str, tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -171,14 +234,15 @@ def _load_experts(reader, base, matrix, shape, used, missing, bad_shape):
             pieces.append(t)
         elif key + ".weight_packed" in reader.files and key + ".weight_scale" in reader.files:
             used.update((key + ".weight_packed", key + ".weight_scale"))
-            packed, scale = reader.get(key + ".weight_packed"), reader.get(key + ".weight_scale")
+            packed = reader.get(key + ".weight_packed", mxfp4=True)
+            scale = reader.get(key + ".weight_scale", mxfp4=True)
             if tuple(packed.shape) != (out_dim, in_dim // 2) or tuple(scale.shape) != (out_dim, in_dim // 32):
                 bad_shape.append(
                     f"{key}.weight_packed/.weight_scale {tuple(packed.shape)}/{tuple(scale.shape)} "
                     f"(expected {(out_dim, in_dim // 2)}/{(out_dim, in_dim // 32)})"
                 )
                 continue
-            check_scales(scale, torch.bfloat16, key + ".weight_scale")
+            check_scales(scale, torch.bfloat16, f"{reader.files[key + '.weight_scale']}: {key}.weight_scale")
             pieces.append(mxfp4_unpack(packed, scale, torch.bfloat16))
             scales.append(scale)
         else:

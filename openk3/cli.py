@@ -25,8 +25,10 @@ import time
 import torch
 
 from openk3.config import PRESETS, K3Config
+from openk3.data.jinja_sandbox import DEFAULT_TIMEOUT_S
 from openk3.data.tokenizer import load_tokenizer
 from openk3.model.model import K3ForCausalLM
+from openk3.serve.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S
 from openk3.train.flags import add_train_arguments, config_from_args
 from openk3.utils import to_dtype
 
@@ -107,6 +109,7 @@ def _engine_from_args(args):
     """Load `--ckpt` (a checkpoint or a training run) into an engine with the serving flags; returns
     (engine, chat template, checkpoint path)."""
     from openk3.data.chat import load_chat_template
+    from openk3.data.jinja_sandbox import SandboxedRenderer
     from openk3.serve.config import ServeConfig
     from openk3.serve.engine import LLMEngine
     from openk3.train.checkpoint import resolve_checkpoint
@@ -119,10 +122,13 @@ def _engine_from_args(args):
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     engine = LLMEngine(model, tok, ServeConfig.from_options(**options))
-    return engine, load_chat_template(ckpt, tok), ckpt
+    renderer = SandboxedRenderer(timeout_s=args.template_timeout)
+    return engine, load_chat_template(ckpt, tok, renderer), ckpt
 
 
 def cmd_serve(args) -> int:
+    import asyncio
+
     import uvicorn
 
     from openk3.serve.async_engine import AsyncLLM
@@ -131,11 +137,26 @@ def cmd_serve(args) -> int:
     engine, template, _ = _engine_from_args(args)
     name = args.model_name or os.path.basename(os.path.normpath(args.ckpt))
     llm = AsyncLLM(engine, max_waiting=args.max_waiting)
+    app = build_app(llm, name, template, max_body_bytes=args.max_body_bytes,
+                    preprocess_timeout_s=args.preprocess_timeout)  # fmt: skip
+    grace = args.shutdown_timeout
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # SIGTERM/Ctrl-C: stop accepting, let running requests finish for `grace` seconds, then fail the rest
+            # (streams get an error event and [DONE]) so the process always exits.
+            asyncio.get_running_loop().call_later(grace, llm.stop)
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=grace + 2)  # fmt: skip
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (chat template: {template.name})", file=sys.stderr)
     try:
-        uvicorn.run(build_app(llm, name, template), host=args.host, port=args.port, log_level="info")
+        Server(config).run()
     finally:
         llm.shutdown()
+        if hasattr(template, "renderer"):
+            template.renderer.close()
     return 0
 
 
@@ -386,11 +407,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--speculative", choices=["ngram", "draft_model"])
         p.add_argument("--num-speculative-tokens", type=int, default=4)
         p.add_argument("--draft-ckpt")
+        p.add_argument("--template-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                       help="seconds a checkpoint's chat template may render before it is stopped")  # fmt: skip
         if name == "serve":
             p.add_argument("--host", default="127.0.0.1")
             p.add_argument("--port", type=int, default=8000)
             p.add_argument("--model-name", default=None, help="the id clients use (default: the folder name)")
-            p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
+            p.add_argument("--max-waiting", type=int, default=256,
+                           help="queued sequences (a request counts n) before 429")  # fmt: skip
+            p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                           help="request bodies larger than this get 413")  # fmt: skip
+            p.add_argument("--preprocess-timeout", type=float, default=DEFAULT_PREPROCESS_TIMEOUT_S,
+                           help="seconds to tokenize and template a prompt before the request fails")  # fmt: skip
+            p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                           help="on SIGTERM, seconds running requests may finish before they are failed")  # fmt: skip
             p.set_defaults(func=cmd_serve)
         else:
             p.add_argument("--system", default=None, help="a system message")

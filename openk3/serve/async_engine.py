@@ -2,9 +2,15 @@
 asyncio callers add requests and read each request's outputs from its own queue.
 
 The engine is not thread-safe, so every call into it (add, abort, step) holds one lock; adds and aborts run in a
-worker thread (`run_in_executor`) so the event loop never waits for a step. The waiting queue is bounded: past
-`max_waiting` queued requests `generate` raises `QueueFull` (the server answers 429). A caller that stops reading
+worker thread (`run_in_executor`) so the event loop never waits for a step, and text prompts are tokenized before
+the lock is taken. The waiting queue is bounded in sequences (a request counts `n`): admission is decided and
+reserved on the event loop in one synchronous piece, so simultaneous arrivals cannot all slip past the check; past
+`max_waiting` queued sequences `submit` raises `QueueFull` (the server answers 429). A caller that stops reading
 (a client that disconnected) aborts its request, which frees its slot and pages at once.
+
+The loop never dies of one request: the engine fails the requests of a step that raised (finish_reason "error");
+an error outside that containment fails every open request and the loop goes on. `health()` reports the loop's
+state: "ok", "degraded" (steps failed in the last minute) or "dead" (the thread is gone, or shut down).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ class EngineDead(Exception):
 
 
 class AsyncLLM:
+    DEGRADED_WINDOW_S = 60.0
+
     def __init__(self, engine: LLMEngine, max_waiting: int = 256):
         self.engine, self.max_waiting = engine, max_waiting
         self.metrics = ServerMetrics(engine)
@@ -38,32 +46,67 @@ class AsyncLLM:
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self.error: BaseException | None = None
+        self._reserved = 0  # sequences admitted on the event loop but not yet in the scheduler's waiting queue
+        self.error: BaseException | None = None  # the last error the loop contained
+        self.failed_steps = 0
+        self._last_failure = float("-inf")
         self._thread = threading.Thread(target=self._loop, name="openk3-engine", daemon=True)
         self._thread.start()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self._thread.is_alive() and not self._stop.is_set()
 
-    def shutdown(self) -> None:
+    def health(self) -> dict:
+        """{"status": "ok" | "degraded" | "dead", ...}: degraded while a step failed in the last minute."""
+        if not self.alive:
+            return {"status": "dead", "error": "the engine loop is not running" + (
+                f" (last error: {self.error!r})" if self.error is not None else "")}  # fmt: skip
+        body = {"status": "ok", "failed_steps": self.failed_steps + self.engine.failed_steps}
+        recent = max(self._last_failure, self.engine.last_failure)
+        if time.monotonic() - recent < self.DEGRADED_WINDOW_S:
+            body.update(status="degraded", last_error=self.engine.last_error or repr(self.error))
+        return body
+
+    def stop(self) -> None:
+        """Stop the loop without waiting for it: every open stream ends with EngineDead at once (the server sends
+        its error event, or a 503), and no new request is admitted."""
         self._stop.set()
         self._wakeup.set()
-        self._thread.join(timeout=10)
+        for loop, queue in list(self._streams.values()):
+            _put(loop, queue, EngineDead("the server is shutting down"))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """`stop()`, then wait for the engine thread to finish its step."""
+        self.stop()
+        self._thread.join(timeout=timeout)
 
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting)
+        """Queued sequences: the scheduler's waiting queue plus admissions still on their way to it."""
+        return len(self.engine.scheduler.waiting) + self._reserved
+
+    def admit(self, n: int) -> None:
+        """Reserve room for `n` sequences or raise QueueFull / EngineDead. Synchronous on the event loop, so the
+        check and the reservation are one step; `submit(..., reserved=True)` or `release(n)` gives it back."""
+        if not self.alive:
+            raise EngineDead("the engine loop is not running")
+        waiting = self.num_waiting()
+        if waiting + n > self.max_waiting:
+            raise QueueFull(f"{waiting} sequences are already waiting (limit {self.max_waiting}; this request adds {n})")
+        self._reserved += n
+
+    def release(self, n: int) -> None:
+        self._reserved -= n
 
     async def submit(
-        self, prompt: str | dict | list[int], params: SamplingParams, request_id: str
+        self, prompt: str | dict | list[int], params: SamplingParams, request_id: str, reserved: bool = False
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request now (so a bad prompt or a full queue is known before any response starts) and return
         an iterator over its outputs, the last one with `finished` set. Raises ValueError for a bad prompt,
-        QueueFull when the queue is full, EngineDead if the engine loop died."""
-        if not self.alive:
-            raise EngineDead(f"the engine loop stopped: {self.error!r}")
-        if self.num_waiting() >= self.max_waiting:
-            raise QueueFull(f"{self.num_waiting()} requests are already waiting")
+        QueueFull when the queue is full, EngineDead if the engine loop is not running. `reserved`: the caller
+        already holds an `admit(params.n)` reservation, which this call consumes."""
+        if not reserved:
+            self.admit(params.n)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
@@ -74,6 +117,8 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             self.metrics.on_abort(request_id)
             raise
+        finally:
+            self.release(params.n)
         return self._outputs(request_id, queue)
 
     async def _outputs(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
@@ -82,7 +127,7 @@ class AsyncLLM:
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    raise EngineDead(f"the engine loop stopped: {item!r}") from item
+                    raise item
                 finished = item.finished
                 yield item
         finally:
@@ -92,6 +137,8 @@ class AsyncLLM:
                 self.abort(request_id)  # synchronous: a cancelled task must not skip it; waits at most one step
 
     def _add(self, prompt, params, request_id) -> None:
+        if isinstance(prompt, str):  # tokenize outside the engine lock: a long prompt must not stall the steps
+            prompt = {"prompt": prompt, "prompt_token_ids": self.engine.encode_prompt(prompt)}
         with self._lock:
             self.engine.add_request(prompt, params, request_id)
         self._wakeup.set()
@@ -109,12 +156,13 @@ class AsyncLLM:
                         for out in outputs:
                             if out.finished:
                                 self.engine.release_finished(out.request_id)
-            except BaseException as err:  # an engine bug: fail every open stream instead of hanging it
-                log.exception("engine step failed")
-                self.error = err
-                for loop, queue in list(self._streams.values()):
-                    loop.call_soon_threadsafe(queue.put_nowait, err)
-                return
+            except Exception as err:  # noqa: BLE001 - outside a step's own containment: fail everything open
+                log.exception("engine loop error; failing every open request")
+                self.error, self.failed_steps, self._last_failure = err, self.failed_steps + 1, time.monotonic()
+                with self._lock:
+                    outputs = self.engine.fail_all(f"the engine failed: {type(err).__name__}: {err}")
+                    for out in outputs:
+                        self.engine.release_finished(out.request_id)
             if outputs is None:
                 self._wakeup.wait(timeout=0.05)
                 self._wakeup.clear()
@@ -124,4 +172,11 @@ class AsyncLLM:
                 self.metrics.on_output(out, now)
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
-                    stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
+                    _put(*stream, out)
+
+
+def _put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> None:
+    try:
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+    except RuntimeError:  # that event loop is closed: nobody is reading
+        pass

@@ -14,6 +14,12 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 
+# The HTTP server's per-request limits (`k3 serve` flags; docs/serving.md "Limits").
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes: larger bodies get 413 before they are read
+DEFAULT_PREPROCESS_TIMEOUT_S = 30.0  # --preprocess-timeout: tokenizing + templating one prompt
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # --shutdown-timeout: SIGTERM drain before running requests are failed
+
+
 @dataclass
 class CheckpointPolicy:
     """Which hash endpoints get a KDA state checkpoint (spec §2.3). Positions are unit boundaries."""

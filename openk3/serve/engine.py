@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from openk3.data.chat import check_text
 from openk3.data.tokenizer import ByteTokenizer, load_tokenizer
 from openk3.model.model import K3ForCausalLM
 from openk3.ops.sampling import sampling_probs
@@ -43,6 +44,14 @@ class SpecStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+
+NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
+
+
+def _finite(logits_GV: torch.Tensor) -> bool:
+    """Whether rows can be sampled from: a NaN or inf logit (a broken checkpoint, an overflow) has no distribution."""
+    return bool(torch.isfinite(logits_GV).all())
 
 
 def _probs_fn(params: SamplingParams):
@@ -71,6 +80,7 @@ class LLMEngine:
         self._prompts: dict[str, str | None] = {}
         self._counter = itertools.count()
         self.step_count = 0
+        self.failed_steps, self.last_failure, self.last_error = 0, float("-inf"), None  # contained step failures
         info = self.cache_info()
         log.info(
             "cache: %d MLA pages of %d tokens (%s B per token, %.1f MiB), %d KDA state slots of %.2f MiB (%d for "
@@ -110,7 +120,7 @@ class LLMEngine:
         """Queue a prompt (text, `{"prompt_token_ids": [...]}` or a list of ids); returns its request id."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt, add_bos=not isinstance(self.tokenizer, ByteTokenizer))
+            text, ids = prompt, self.encode_prompt(prompt)
         elif isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise ValueError("a dict prompt needs 'prompt_token_ids'")
@@ -140,6 +150,12 @@ class LLMEngine:
         self._prompts[request_id] = text
         return request_id
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's token ids (with BOS, except for the byte-level fallback). Text that is not valid
+        Unicode (a lone surrogate such as "\\ud800", which JSON can spell) is a ValueError, not a tokenizer crash."""
+        check_text(text, "prompt")
+        return self.tokenizer.encode(text, add_bos=not isinstance(self.tokenizer, ByteTokenizer))
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its slot and pages (e.g. a client disconnected)."""
         for req in self.requests.pop(request_id, []):
@@ -159,6 +175,19 @@ class LLMEngine:
             # Cannot happen with a resolved config (it holds one max_model_len request); never spin silently.
             raise RuntimeError("the engine is idle but cannot admit the next request: the cache pool is too small")
         touched: dict[str, None] = {}
+        try:
+            self._run(plan, touched)
+        except Exception as err:  # noqa: BLE001 - one bad step fails its own requests, never the engine
+            log.exception("engine step %d failed; failing the requests it ran", self.step_count)
+            message = f"the engine step failed: {type(err).__name__}: {err}"
+            self.failed_steps, self.last_failure, self.last_error = self.failed_steps + 1, time.monotonic(), message
+            for req in [c.req for c in plan.chunks] + [req for group in plan.verify.values() for req, _ in group]:
+                self._fail(req, message)
+                touched[req.request_id] = None
+        self.step_count += 1
+        return [self._output(rid) for rid in touched if rid in self.requests]
+
+    def _run(self, plan, touched: dict[str, None]) -> None:
         if plan.chunks:
             reqs = [c.req for c in plan.chunks]
             ids = [c.req.tokens[c.req.num_computed : c.req.num_computed + c.num_tokens] for c in plan.chunks]
@@ -168,19 +197,26 @@ class LLMEngine:
             row = 0
             for chunk, sampled in zip(plan.chunks, samples):
                 req = chunk.req
+                if req.is_finished:  # a sibling sample failed earlier in this step and ended the whole request
+                    row += sampled
+                    continue
                 req.num_computed += chunk.num_tokens
                 self.manager.commit(req)
                 if sampled:
-                    self._emit(req, [self._sample(req, logits[row])], logits[row : row + 1])
+                    if _finite(logits[row : row + 1]):
+                        self._emit(req, [self._sample(req, logits[row])], logits[row : row + 1])
+                    else:
+                        self._fail(req, NON_FINITE)
                     row += 1
                 touched[req.request_id] = None
         for group in plan.verify.values():
             self._verify(group)
             touched.update((req.request_id, None) for req, _ in group)
-        self.step_count += 1
-        return [self._output(rid) for rid in touched if rid in self.requests]
 
     def _verify(self, group: list[tuple[Request, list[int]]]) -> None:
+        group = [(req, drafts) for req, drafts in group if not req.is_finished]  # a sibling failed earlier this step
+        if not group:
+            return
         reqs = [req for req, _ in group]
         ids = [[req.tokens[-1], *drafts] for req, drafts in group]
         rows = [list(range(len(x))) for x in ids]
@@ -189,6 +225,9 @@ class LLMEngine:
         emitted = []
         for n, (req, drafts) in enumerate(group):
             block = logits[n * G : (n + 1) * G]
+            if not _finite(block):
+                emitted.append((req, [], None))  # folds nothing; the request ends below
+                continue
             tokens, used = accept(block, drafts, req, _probs_fn(req.params))
             emitted.append((req, tokens, block[used]))
             self.spec_stats.drafted += len(drafts)
@@ -198,6 +237,11 @@ class LLMEngine:
         # Every emitted token but the last was an input of this pass: those are folded into the state.
         fold(self.manager.pools, [r.slot for r in reqs], records, [len(t) for _, t, _ in emitted])
         for req, tokens, rows in emitted:
+            if req.is_finished:  # ended with a failed sibling in this loop
+                continue
+            if not tokens:
+                self._fail(req, NON_FINITE)
+                continue
             req.num_computed += len(tokens)
             self._emit(req, tokens, rows)  # first: the accepted drafts must be in req.tokens before commit hashes them
             if not req.is_finished:
@@ -242,6 +286,21 @@ class LLMEngine:
             return "length", None
         return None
 
+    def _fail(self, req: Request, message: str) -> None:
+        """End the request of `req` (all its samples) with finish_reason "error"; its resources are freed."""
+        for sibling in self.requests.get(req.request_id, [req]):
+            if not sibling.is_finished:
+                sibling.finish_reason, sibling.error = "error", message
+                self._finish(sibling)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every open request with finish_reason "error" (the caller's last resort after an error outside a
+        step's own containment); returns their final outputs."""
+        touched = [rid for rid, reqs in self.requests.items() if not all(r.is_finished for r in reqs)]
+        for rid in touched:
+            self._fail(self.requests[rid][0], message)
+        return [self._output(rid) for rid in touched]
+
     def _finish(self, req: Request) -> None:
         self.scheduler.finish(req)
         if self.proposer is not None:
@@ -258,7 +317,7 @@ class LLMEngine:
                 req.index, text, list(req.output_token_ids),
                 req.cumulative_logprob if req.params.logprobs is not None else None,
                 list(req.output_logprobs) if req.params.logprobs is not None else None,
-                req.finish_reason, req.stop_reason,
+                req.finish_reason, req.stop_reason, req.error,
             ))  # fmt: skip
         return RequestOutput(
             request_id, self._prompts.get(request_id), reqs[0].prompt_token_ids, outs,

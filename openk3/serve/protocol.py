@@ -1,7 +1,8 @@
 """The OpenAI request and response shapes the server speaks (spec/serving.md §6).
 
-Requests are pydantic models that accept and ignore unknown OpenAI fields (e.g. `user`) and reject bad values with
-a message naming the field; responses are plain dicts in OpenAI's JSON. Engine extras (`top_k`) arrive as extra
+Requests are strict pydantic models (no bool-as-int, no string numbers, finite floats, valid Unicode) that ignore
+unknown fields (e.g. `user`), refuse the OpenAI fields not implemented yet (`UNSUPPORTED`: tools, logit_bias, ...)
+and reject bad values with a message naming the field; responses are plain dicts in OpenAI's JSON. Engine extras (`top_k`) arrive as extra
 body fields, as the openai client's `extra_body` sends them.
 """
 
@@ -9,26 +10,62 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
+from openk3.data.chat import check_text
 from openk3.serve.request import CompletionOutput, SamplingParams
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _unicode(value: str) -> str:
+    try:
+        check_text(value, "text")
+    except ValueError as err:
+        raise PydanticCustomError("unicode", str(err).removeprefix("text: ")) from None
+    return value
 
-    model: str | None = None
+
+# Strings must be valid Unicode (JSON can spell a lone surrogate, "\ud800", which nothing downstream can encode).
+Text = Annotated[str, AfterValidator(_unicode)]
+
+# OpenAI fields this server does not implement yet. Sent with a value other than the one meaning "off", each is a
+# 400 naming it, never silently ignored (a client asking for tools must not get a plain completion back).
+UNSUPPORTED = {
+    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+    "suffix": (None, ""), "echo": (None, False), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "parallel_tool_calls": (None, True, False), "web_search_options": (None,),
+    "min_p": (None, 0, 0.0),
+}  # fmt: skip
+
+
+class _Request(BaseModel):
+    # Strict: `true` is not the token id 1 and "0.5" is not a temperature; unknown OpenAI fields (`user`) are ignored.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: Text | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=0, ge=0)
     n: int = Field(default=1, ge=1, le=16)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: dict | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if isinstance(data, dict):
+            for name, off in UNSUPPORTED.items():
+                if name in data and not any(data[name] == v and type(data[name]) is type(v) for v in off):
+                    raise PydanticCustomError("unsupported", f"{name} is not supported by this server",
+                                              {"field": name})  # fmt: skip
+        return data
 
     def sampling(self, max_tokens: int, logprobs: int | None, extra_stop: list[str]) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -43,16 +80,16 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: Text | list[int] = Field(min_length=1)
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict] | None = ""
+    content: Text | list[dict] | None = ""
 
     def text(self) -> str:
         """The text of a message; content parts of type "text" are joined (images are not served yet)."""

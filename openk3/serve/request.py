@@ -9,6 +9,7 @@ last sampled) is left to feed. `RequestOutput` / `CompletionOutput` are what `LL
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +34,7 @@ class SamplingParams:
         self.stop = [s for s in (self.stop or []) if s]
         checks = {
             "max_tokens": self.max_tokens >= 1,
-            "temperature": self.temperature >= 0,
+            "temperature": self.temperature >= 0 and math.isfinite(self.temperature),
             "top_p": 0 < self.top_p <= 1,
             "top_k": self.top_k >= 0,
             "n": self.n >= 1,
@@ -64,6 +65,7 @@ class Request:
     num_computed: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # why a request finished with finish_reason "error" (non-finite logits, a failed step)
     num_cached_tokens: int = 0  # effective prefix hit of the latest admission (tokens restored, not recomputed)
     num_preemptions: int = 0
     generator: torch.Generator | None = None
@@ -97,8 +99,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
-    finish_reason: str | None  # "stop", "length" or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    error: str | None = None  # with finish_reason "error": what went wrong for this sample
 
 
 @dataclass

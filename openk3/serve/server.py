@@ -4,19 +4,29 @@
     POST /v1/completions       text completion (prompt: text or token ids), streaming or not
     POST /v1/chat/completions  chat (system / user / assistant messages) through the checkpoint's chat template
     GET  /v1/chat/template     the chat template in use (name and source)
-    GET  /health               200 while the engine loop runs, 503 otherwise
+    GET  /health               200 {"status": "ok" | "degraded", ...} while the engine loop runs, 503 when it does not
     GET  /metrics              Prometheus text (serve/metrics.py)
 
-Streaming is Server-Sent Events in OpenAI's chunk format ending with `data: [DONE]`. Every error uses OpenAI's
-error JSON: 400 for invalid requests (naming the field) and prompts longer than the model or cache allow, 404 for
-an unknown model, 429 with Retry-After when the waiting queue is full, 503 if the engine loop died. A client that
-disconnects mid-stream aborts its request, which frees its slot and pages.
+Streaming is Server-Sent Events in OpenAI's chunk format ending with `data: [DONE]`. Every error, 500s included,
+uses OpenAI's error JSON (text that cannot be encoded is escaped): 400 for invalid requests (naming the field) and
+prompts longer than the model or cache allow, 404 for an unknown model, 413 for a body over `max_body_bytes`, 429
+with Retry-After when the waiting queue is full, 500 when a request failed inside the engine or its chat template
+failed, 503 if the engine loop is not running. A streamed request that fails after its first chunk gets an error
+event, then `[DONE]`.
+
+Work per request is bounded: the body size; tokenization and template rendering run off the event loop (at most
+`PREPROCESS_THREADS` at once) under `preprocess_timeout_s`, templates in a worker process that is killed past its
+limit. A client that disconnects, streaming or not, aborts its request, which frees its slot and pages.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,7 +35,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.data.chat import Message
+from openk3.data.jinja_sandbox import TemplateFailed, TemplateRejected
 from openk3.serve.async_engine import AsyncLLM, EngineDead, QueueFull
+from openk3.serve.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S
 from openk3.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,6 +51,61 @@ from openk3.serve.protocol import (
 from openk3.serve.request import RequestOutput
 from openk3.serve.streaming import TextDelta
 
+log = logging.getLogger("openk3.serve")
+DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there
+
+
+PREPROCESS_THREADS = 2
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON that always encodes: text holding a lone surrogate is written with \\u escapes instead of crashing."""
+
+    def render(self, content) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        try:
+            return text.encode("utf-8")
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` is a 413. With a Content-Length it is decided before
+    anything is read; a chunked body is read (at most max_bytes of it) before the app sees it."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
+                return await self._too_large(send)
+            return await self.app(scope, receive, send)
+        body, more = [], True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            body.append(message.get("body", b""))
+            more = message.get("more_body", False)
+            if sum(map(len, body)) > self.max_bytes:
+                return await self._too_large(send)
+        replay = [{"type": "http.request", "body": b"".join(body), "more_body": False}]
+
+        async def replayed():
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+    async def _too_large(self, send) -> None:
+        body = SafeJSONResponse(error_body(f"the request body exceeds the limit of {self.max_bytes} bytes",
+                                           "invalid_request_error", None, 413), status_code=413)  # fmt: skip
+        await send({"type": "http.response.start", "status": 413, "headers": body.raw_headers})
+        await send({"type": "http.response.body", "body": body.body})
+
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -48,11 +115,44 @@ class APIError(Exception):
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param=None, headers=None) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, param, status), status_code=status, headers=headers)
+    return SafeJSONResponse(error_body(message, kind, param, status), status_code=status, headers=headers)
 
 
-def build_app(llm: AsyncLLM, model_name: str, template) -> FastAPI:
-    app = FastAPI(title="openk3", docs_url=None, redoc_url=None)
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """One line naming the field for a pydantic error list: the deepest error (in a union, the branch that got
+    furthest), its path without pydantic's type tags, and the top-level field as `param`."""
+    if not errors:
+        return "body: invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        where = first.get("loc", ("body", "?"))[-1]
+        return f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')} at character "\
+               f"{where})", None  # fmt: skip
+    if first.get("type") == "unsupported":
+        field = first["ctx"]["field"]
+        return f"{field}: {first['msg']}", field
+    err = max(errors, key=lambda e: len(e.get("loc", ())))
+    path = [str(p) for p in err.get("loc", ()) if p != "body" and not (isinstance(p, str) and (
+        "[" in p or p in _TYPE_TAGS))]  # fmt: skip
+    where = ".".join(path) or None
+    return f"{where or 'body'}: {err.get('msg', 'invalid value').removeprefix('Value error, ')}", (path[0] if path else None)
+
+
+def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              preprocess_timeout_s: float = DEFAULT_PREPROCESS_TIMEOUT_S) -> FastAPI:  # fmt: skip
+    preprocess = ThreadPoolExecutor(PREPROCESS_THREADS, thread_name_prefix="openk3-preprocess")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        preprocess.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="openk3", docs_url=None, redoc_url=None, default_response_class=SafeJSONResponse,
+                  lifespan=lifespan)  # fmt: skip
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     engine = llm.engine
     tokenizer = engine.tokenizer
     max_model_len = engine.config.max_model_len
@@ -62,9 +162,13 @@ def build_app(llm: AsyncLLM, model_name: str, template) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where)
+        message, param = _validation_message(exc.errors())
+        return _error(400, message, param=param)
+
+    @app.exception_handler(Exception)
+    async def _internal(_request: Request, exc: Exception) -> JSONResponse:
+        log.error("request failed", exc_info=exc)
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -78,9 +182,10 @@ def build_app(llm: AsyncLLM, model_name: str, template) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if not llm.alive:
-            return _error(503, f"the engine loop stopped: {llm.error!r}", "server_error")
-        return JSONResponse({"status": "ok"})
+        body = llm.health()
+        if body["status"] == "dead":
+            return _error(503, body["error"], "server_error")
+        return SafeJSONResponse(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -101,35 +206,86 @@ def build_app(llm: AsyncLLM, model_name: str, template) -> FastAPI:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`",
                            "not_found_error", "model")  # fmt: skip
 
-    async def start(prompt, params, rid: str) -> AsyncIterator[RequestOutput]:
+    async def off_loop(fn, *args):
+        """Run CPU work (tokenizing, rendering) in the preprocessing threads under the time limit."""
+        loop = asyncio.get_running_loop()
         try:
-            return await llm.submit(prompt, params, rid)
+            return await asyncio.wait_for(loop.run_in_executor(preprocess, fn, *args), preprocess_timeout_s)
+        except asyncio.TimeoutError as err:
+            raise APIError(500, f"preparing the prompt took longer than {preprocess_timeout_s:g} s",
+                           "server_error") from err  # fmt: skip
+
+    async def start(prepare, params, rid: str) -> AsyncIterator[RequestOutput]:
+        """Admit (reserving room for params.n sequences), prepare the prompt off the loop, queue it."""
+        try:
+            llm.admit(params.n)
         except QueueFull as err:
             raise APIError(429, f"server busy: {err}", "rate_limit_error", headers={"Retry-After": "1"}) from err
+        except EngineDead as err:
+            raise APIError(503, str(err), "server_error") from err
+        try:
+            prompt = await off_loop(prepare)
+        except ValueError as err:  # a prompt that cannot be tokenized
+            llm.release(params.n)
+            raise APIError(400, str(err), param="prompt") from err
+        except BaseException:
+            llm.release(params.n)
+            raise
+        try:
+            return await llm.submit(prompt, params, rid, reserved=True)
         except EngineDead as err:
             raise APIError(503, str(err), "server_error") from err
         except ValueError as err:
             raise APIError(400, str(err), param="prompt") from err
 
-    async def last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-        final = None
-        async for final in outputs:
-            pass
-        return final
+    async def final_output(request: Request, outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+        """The last output of a non-streamed request; a client that disconnects meanwhile aborts it."""
+
+        async def last() -> RequestOutput:
+            final = None
+            async for final in outputs:
+                pass
+            return final
+
+        task = asyncio.ensure_future(last())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    task.cancel()  # the generator's cleanup aborts the request in the engine
+                    await asyncio.gather(task, return_exceptions=True)
+                    raise APIError(499, "the client disconnected", "client_closed_request")
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        try:
+            out = task.result()
+        except EngineDead as err:
+            raise APIError(503, str(err), "server_error") from err
+        failed = next((o for o in out.outputs if o.finish_reason == "error"), None)
+        if failed is not None:
+            raise APIError(500, failed.error or "the request failed in the engine", "server_error")
+        return out
+
+    def prepare_completion(prompt):
+        if isinstance(prompt, str):
+            return {"prompt": prompt, "prompt_token_ids": engine.encode_prompt(prompt)}
+        return {"prompt_token_ids": prompt}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
         try:
             params = req.sampling(req.max_tokens or max_model_len, req.logprobs, [])
         except ValueError as err:
             raise APIError(400, str(err)) from err
-        prompt = req.prompt if isinstance(req.prompt, str) else {"prompt_token_ids": req.prompt}
         rid = new_id("cmpl")
-        outputs = await start(prompt, params, rid)
+        outputs = await start(lambda: prepare_completion(req.prompt), params, rid)
         top = req.logprobs or 0
         if not req.stream:
-            out = await last(outputs)
+            out = await final_output(request, outputs)
             choices = [{"index": o.index, "text": o.text, "finish_reason": o.finish_reason,
                         "logprobs": completion_logprobs(o, 0, len(o.token_ids), top, decode)} for o in out.outputs]  # fmt: skip
             return {"id": rid, "object": "text_completion", "created": now(), "model": model_name, "choices": choices,
@@ -143,21 +299,30 @@ def build_app(llm: AsyncLLM, model_name: str, template) -> FastAPI:
         return StreamingResponse(sse(outputs, params.stop, chunk, None, req.include_usage, rid, "text_completion"),
                                  media_type="text/event-stream")  # fmt: skip
 
+    def prepare_chat(messages: list[Message]):
+        try:
+            return {"prompt_token_ids": template.encode(messages, add_generation_prompt=True)}
+        except TemplateRejected as err:
+            raise APIError(400, str(err), param="messages") from err
+        except TemplateFailed as err:
+            raise APIError(500, str(err), "server_error") from err
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from err
+
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest):
+    async def chat(req: ChatCompletionRequest, request: Request):
         check_model(req.model)
         try:
             messages = [Message("system" if m.role == "developer" else m.role, m.text()) for m in req.messages]
-            prompt_ids = template.encode(messages, add_generation_prompt=True)
             top = req.top_logprobs or 0
             params = req.sampling(req.requested_max_tokens or max_model_len, top if req.logprobs else None,
                                   template.stop)  # fmt: skip
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         rid = new_id("chatcmpl")
-        outputs = await start({"prompt_token_ids": prompt_ids}, params, rid)
+        outputs = await start(lambda: prepare_chat(messages), params, rid)
         if not req.stream:
-            out = await last(outputs)
+            out = await final_output(request, outputs)
             choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
                         "logprobs": chat_logprobs(o, 0, len(o.token_ids), top, decode),
                         "finish_reason": o.finish_reason} for o in out.outputs]  # fmt: skip
@@ -181,32 +346,56 @@ def build_app(llm: AsyncLLM, model_name: str, template) -> FastAPI:
                                      "chat.completion.chunk"), media_type="text/event-stream")  # fmt: skip
 
     async def sse(outputs, stop, chunk, opening, include_usage: bool, rid: str, kind: str) -> AsyncIterator[str]:
-        """Server-sent events: text deltas per sample (never text a stop string will take back), then [DONE]."""
+        """Server-sent events: text deltas per sample (never text a stop string will take back), then [DONE]. A
+        failure (a sample that ended in error, an engine shut down) is an OpenAI error event before [DONE]."""
         deltas: dict[int, TextDelta] = {}
         sent_tokens: dict[int, int] = {}
         finished_choices: set[int] = set()
         final = None
-        async for out in outputs:
-            final = out
-            for o in out.outputs:
-                if o.index in finished_choices:
-                    continue
-                if o.index not in deltas:
-                    deltas[o.index], sent_tokens[o.index] = TextDelta(stop), 0
-                    if opening is not None:
-                        yield f"data: {json.dumps(opening(o.index))}\n\n"
-                done = o.finish_reason is not None
-                text = deltas[o.index].update(o.text, done)
-                start, end = sent_tokens[o.index], len(o.token_ids)
-                if text or done:
-                    sent_tokens[o.index] = end
-                    yield f"data: {json.dumps(chunk(o, text, start, end, o.finish_reason if done else None))}\n\n"
-                if done:
-                    finished_choices.add(o.index)
-        if include_usage and final is not None:
-            body = {"id": rid, "object": kind, "created": now(), "model": model_name, "choices": [],
-                    "usage": usage(len(final.prompt_token_ids), final.outputs, final.num_cached_tokens)}  # fmt: skip
-            yield f"data: {json.dumps(body)}\n\n"
+        try:
+            async for out in outputs:
+                final = out
+                failed = next((o for o in out.outputs if o.finish_reason == "error"), None)
+                if failed is not None:
+                    raise APIError(500, failed.error or "the request failed in the engine", "server_error")
+                for o in out.outputs:
+                    if o.index in finished_choices:
+                        continue
+                    if o.index not in deltas:
+                        deltas[o.index], sent_tokens[o.index] = TextDelta(stop), 0
+                        if opening is not None:
+                            yield _event(opening(o.index))
+                    done = o.finish_reason is not None
+                    text = deltas[o.index].update(o.text, done)
+                    start, end = sent_tokens[o.index], len(o.token_ids)
+                    if text or done:
+                        sent_tokens[o.index] = end
+                        yield _event(chunk(o, text, start, end, o.finish_reason if done else None))
+                    if done:
+                        finished_choices.add(o.index)
+        except APIError as err:
+            yield _event(error_body(str(err), err.kind, err.param, err.status))
+        except EngineDead as err:
+            yield _event(error_body(str(err), "server_error", None, 503))
+        except Exception as err:  # noqa: BLE001 - a stream must always end with an error event and [DONE]
+            log.error("stream failed", exc_info=err)
+            yield _event(error_body(f"internal error: {type(err).__name__}: {err}", "server_error", None, 500))
+        else:
+            if include_usage and final is not None:
+                body = {"id": rid, "object": kind, "created": now(), "model": model_name, "choices": [],
+                        "usage": usage(len(final.prompt_token_ids), final.outputs, final.num_cached_tokens)}  # fmt: skip
+                yield _event(body)
+        finally:
+            await outputs.aclose()  # a disconnect (the response cancelled) aborts the request right here
         yield "data: [DONE]\n\n"
 
     return app
+
+
+def _event(body: dict) -> str:
+    text = json.dumps(body, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(body)
+    return f"data: {text}\n\n"

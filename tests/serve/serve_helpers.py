@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
+import json
+import socket
+import threading
+import time
+
 import torch
+import uvicorn
 
 from openk3 import K3ForCausalLM
+from openk3.data.tokenizer import train_bpe
 from openk3.serve.config import ServeConfig
 from openk3.serve.engine import LLMEngine
 
@@ -67,3 +77,31 @@ class LogitTap:
             return logits, records
 
         engine.runner.run = tapped
+
+
+@contextlib.contextmanager
+def serve_on_loopback(app):
+    """Run a FastAPI app under uvicorn on 127.0.0.1 (a free port) in a thread; yields the base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=2))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@functools.cache
+def bpe_tokenizer(vocab_size: int, bos: int, eos: int, pad: int):
+    """A small byte-level BPE trained on two stdlib modules' source (the servers' tests use a real BPE)."""
+    corpus = [inspect.getsource(json), inspect.getsource(socket)] * 2
+    return train_bpe(corpus, vocab_size, {"bos": bos, "eos": eos, "pad": pad})

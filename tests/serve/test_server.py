@@ -6,23 +6,18 @@ the offline engine's for the same seed."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
-import socket
-import threading
 import time
 
 import httpx2
 import openai
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serve_helpers import make_engine, tiny_model
+from serve_helpers import bpe_tokenizer, make_engine, serve_on_loopback, tiny_model
 from starlette.testclient import TestClient
 
 from openk3.data.chat import Message, PlainChatTemplate
-from openk3.data.tokenizer import train_bpe
 from openk3.serve.async_engine import AsyncLLM
 from openk3.serve.request import SamplingParams
 from openk3.serve.server import build_app
@@ -31,14 +26,8 @@ MODEL = tiny_model(0)
 OPTIONS = {"hash_unit": 16, "block_size": 32, "max_model_len": 384, "max_num_seqs": 8}
 
 
-def _tokenizer():
-    text = MODEL.text_config
-    corpus = [inspect.getsource(json), inspect.getsource(socket)] * 2
-    return train_bpe(corpus, text.vocab_size, {"bos": text.bos_token_id, "eos": text.eos_token_id,
-                                                 "pad": text.pad_token_id})  # fmt: skip
-
-
-TOKENIZER = _tokenizer()
+_TEXT = MODEL.text_config
+TOKENIZER = bpe_tokenizer(_TEXT.vocab_size, _TEXT.bos_token_id, _TEXT.eos_token_id, _TEXT.pad_token_id)
 
 
 def _engine(**extra):
@@ -51,18 +40,8 @@ def _engine(**extra):
 def served():
     engine = _engine()
     llm = AsyncLLM(engine, max_waiting=64)
-    app = build_app(llm, "tiny", PlainChatTemplate(TOKENIZER))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}", llm
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_on_loopback(build_app(llm, "tiny", PlainChatTemplate(TOKENIZER))) as base:
+        yield base, llm
     llm.shutdown()
 
 
@@ -210,7 +189,7 @@ def test_errors_use_openai_shape_and_4xx(served):
     r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
     assert http.get("/v1/nowhere").status_code == 404
-    assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/health").json() == {"status": "ok", "failed_steps": 0}
     assert http.get("/v1/chat/template").json()["name"] == "openk3-plain"
     metrics = http.get("/metrics").text
     for name in ("openk3_time_to_first_token_seconds", "openk3_time_per_output_token_seconds",

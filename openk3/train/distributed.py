@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
@@ -31,7 +30,7 @@ from openk3.parallel.checkpoint import export_pretrained, save_optimizer
 from openk3.parallel.cp import ContextParallel
 from openk3.parallel.dims import ParallelDims
 from openk3.parallel.parallelize import expert_parameters, parallelize, sync_expert_grads
-from openk3.train.checkpoint import CHECKPOINTS, latest_checkpoint, publish_checkpoint
+from openk3.train.checkpoint import CHECKPOINTS, latest_checkpoint, publish_checkpoint, remove_temporaries
 from openk3.train.config import TrainConfig
 from openk3.train.trainer import Trainer
 
@@ -137,7 +136,7 @@ class DistributedTrainer(Trainer):
         name = f"step-{self.step:08d}"
         tmp = os.path.join(root, f".tmp-{name}")
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed save: never a published checkpoint
+            remove_temporaries(root)  # leftovers of killed saves: never published checkpoints
         dist.barrier()
         export_pretrained(self.model, tmp, self.mesh, self.dims)  # every rank joins the gathers
         save_optimizer(self.model, self.optimizer, os.path.join(tmp, "optimizer-dcp"), self.mesh, self.dims)

@@ -53,11 +53,7 @@ class Trainer:
         self.cfg, self.log = cfg, log
         self.device = resolve_device(cfg.device)
         self.run_dir = cfg.out
-        ckpt = latest_checkpoint(self.run_dir) if cfg.resume else None
-        if cfg.resume and ckpt is None:
-            raise ValueError(f"--resume: no checkpoint in {self.run_dir}/checkpoints to resume from")
-        if not cfg.resume and os.path.exists(os.path.join(self.run_dir, "checkpoints")):
-            raise ValueError(f"{self.run_dir} already holds a run; pass --resume to continue it or choose another --out")
+        ckpt = self._checkpoint_to_resume()
         torch.manual_seed(cfg.seed)
         model_config = K3Config.from_pretrained(ckpt) if ckpt else K3Config.preset(cfg.preset)
         self.data = RunData(cfg, model_config.text_config, tokenizer_dir=ckpt, log=log)
@@ -82,8 +78,9 @@ class Trainer:
             self.nonfinite_total, self.tokens_seen = state["nonfinite_total"], state["tokens_seen"]
             self.data.load_state_dict(state["data"])
             self.balancer.load_state_dict(state["balancer"])
-            self._truncate_metrics(self.step)
             log(f"resumed {self.run_dir} at step {self.step} from {ckpt}")
+        if cfg.resume:
+            self._truncate_metrics(self.step)
         if self._writes_run_files():
             cfg.save(self.run_dir)
         text = self.model.text_config
@@ -92,6 +89,27 @@ class Trainer:
                                                          trials=16, seed=cfg.seed, num_layers=len(self.balancer.layers))  # fmt: skip
         self.peak_gflops = matmul_gflops(self.device)
         self.active_params = self.model.num_parameters()[1]
+
+    def _checkpoint_to_resume(self) -> str | None:
+        """The checkpoint `--resume` continues from: the run's newest good one (a damaged one is skipped with a
+        warning), or None to start the run again from step 0 when it was stopped before its first save finished."""
+        run, holds_run = self.run_dir, _holds_run(self.run_dir)
+        if not self.cfg.resume:
+            if not holds_run:
+                return None
+            if latest_checkpoint(run, warn=lambda _: None) is None:
+                raise ValueError(
+                    f"{run} holds a run with no complete checkpoint (it was stopped before its first save finished); "
+                    f"pass --resume to start it again from step 0, or choose another --out"
+                )
+            raise ValueError(f"{run} already holds a run; pass --resume to continue it or choose another --out")
+        if not holds_run:
+            raise ValueError(f"--resume: {run} holds no run to resume (no checkpoints/ or metrics.jsonl)")
+        ckpt = latest_checkpoint(run, warn=lambda msg: self.log(f"warning: {msg}"))
+        if ckpt is None:
+            self.log(f"warning: --resume: {run}/checkpoints holds no complete checkpoint; starting the run again "
+                     f"from step 0 (metrics.jsonl is cut back to match)")  # fmt: skip
+        return ckpt
 
     # ---- hooks that the distributed trainer (train/distributed.py) overrides ----------------------------------
     def _parallelize(self) -> None:
@@ -253,15 +271,30 @@ class Trainer:
             f.write(json.dumps(row) + "\n")
 
     def _truncate_metrics(self, step: int) -> None:
-        """Drop lines past the resumed step (written after the checkpoint by the interrupted run)."""
+        """Drop lines past the resumed step (written after the checkpoint by the interrupted run), and a line cut
+        short by a kill."""
         if not os.path.exists(self._metrics_path):
             return
         with open(self._metrics_path, encoding="utf-8") as f:
-            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+            rows = [line for line in f if _metrics_step(line) <= step]
         tmp = self._metrics_path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(rows)
         os.replace(tmp, self._metrics_path)
+
+
+def _holds_run(run_dir: str) -> bool:
+    """Whether `run_dir` holds a started run. (Not train_config.json: one process of a multi-process run may write it
+    before another has looked.)"""
+    return any(os.path.exists(os.path.join(run_dir, name)) for name in ("checkpoints", "metrics.jsonl"))
+
+
+def _metrics_step(line: str) -> float:
+    """The step of a metrics.jsonl line; infinity for a line that is not a whole JSON row (so it is dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def _json_balancer(state: dict) -> dict:

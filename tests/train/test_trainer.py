@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from corpus_fixture import corpus  # noqa: F401 - the pytest fixture
 from grad_match import assert_gradients_match
 from safetensors.torch import load_file
 
@@ -23,18 +24,6 @@ from openk3.train.config import TrainConfig
 from openk3.train.trainer import NonFiniteError, Trainer
 
 QUIET = dict(progress=False, sample_tokens=0)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("corpus")
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    src = os.path.join(here, "openk3", "model")
-    for name in sorted(os.listdir(src)):
-        if name.endswith(".py"):
-            with open(os.path.join(src, name), encoding="utf-8") as f:
-                (root / f"{name}.txt").write_text(f.read(), encoding="utf-8")
-    return str(root)
 
 
 def _cfg(corpus, out, **kw):

@@ -1,0 +1,20 @@
+"""The trainer tests' corpus fixture (a module, not a conftest: tests import `conftest` by name, so a second
+one would shadow tests/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small text corpus: openk3/model's source files as .txt."""
+    root = tmp_path_factory.mktemp("corpus")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "openk3", "model")
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".py"):
+            with open(os.path.join(src, name), encoding="utf-8") as f:
+                (root / f"{name}.txt").write_text(f.read(), encoding="utf-8")
+    return str(root)

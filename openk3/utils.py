@@ -77,6 +77,14 @@ def _hf_blobs(snapshot: str) -> str | None:
     return None
 
 
+def open_permissions(file: str) -> None:
+    """Give `file` the permissions `open` would (0666 less the umask): safetensors writes its files 0600, which
+    hides a checkpoint from the other users of a shared machine."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(file, 0o666 & ~umask)
+
+
 def read_json(file: str) -> Any:
     """`json.load` of `file`, with a one-line ValueError naming the file (and line and column) when it is not JSON."""
     try:

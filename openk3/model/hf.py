@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 from openk3.config import K3Config
 from openk3.ops.moe.mxfp4 import check_scales, mxfp4_pack, mxfp4_unpack
-from openk3.utils import file_inside, read_json
+from openk3.utils import file_inside, open_permissions, read_json
 
 log = logging.getLogger("openk3")
 
@@ -297,6 +297,7 @@ def save_pretrained(model, path, max_shard_size: int | None = None) -> None:
     for name, shard in zip(names, shards):
         tmp = os.path.join(path, f".{name}.tmp")
         save_file(shard, tmp, metadata={"format": "pt"})
+        open_permissions(tmp)
         written.append((tmp, os.path.join(path, name)))
     index_tmp = None
     if n > 1:

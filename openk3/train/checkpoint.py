@@ -35,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from openk3.model.hf import INDEX_FILE, SINGLE_FILE
-from openk3.utils import read_json
+from openk3.utils import open_permissions, read_json
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -111,11 +111,9 @@ def publish_checkpoint(root: str, tmp: str, name: str, keep: int) -> str:
     """Make the complete folder `tmp` checkpoint `name`: fsync its files, rename it into place (never over a folder
     `latest` may name), point `latest` at it atomically and prune all but the newest `keep` (damaged ones first).
     Returns its folder."""
-    umask = os.umask(0)
-    os.umask(umask)
     for folder, _, files in os.walk(tmp):
         for file in files:
-            os.chmod(os.path.join(folder, file), 0o666 & ~umask)
+            open_permissions(os.path.join(folder, file))
             with open(os.path.join(folder, file), "rb") as f:
                 os.fsync(f.fileno())
     final, n = os.path.join(root, name), 1

@@ -427,3 +427,18 @@ def test_tokenizer_symlink_leaving_the_folder_is_refused(tmp_path, name):
     os.symlink(outside / name, folder / name)
     with _raises_named(f"tokenizer file {name!r}", outside / name, "not inside the folder"):
         load_tokenizer(folder, text)
+
+
+def test_saved_weights_honour_the_umask(tmp_path):
+    """save_pretrained (k3 export, k3 init) writes files as `open` would, not safetensors' 0600."""
+    model = K3ForCausalLM(K3Config.preset("tiny"))
+    model.init_random_weights(0)
+    old = os.umask(0o022)
+    try:
+        model.save_pretrained(tmp_path / "one")
+        model.save_pretrained(tmp_path / "sharded", max_shard_size=1 << 20)
+    finally:
+        os.umask(old)
+    for folder in ("one", "sharded"):
+        modes = {n: os.stat(tmp_path / folder / n).st_mode & 0o777 for n in os.listdir(tmp_path / folder)}
+        assert len(modes) >= 2 and set(modes.values()) == {0o644}, modes

@@ -23,12 +23,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-from openk3.utils import file_inside, read_json
+from openk3.utils import FP32_EXP_LIMIT, file_inside, read_json
 
-# The largest per-step |log-decay| for which a 16-token tile anchored before its first token keeps e^{16|L|} finite
-# in fp32 (spec/kda.md §5: C * |L| < 88.72).
+# A 16-token tile anchored before its first token keeps e^{16|L|} finite in fp32 iff 16 * |L| < FP32_EXP_LIMIT
+# (spec/kda.md §5).
 _KDA_TILE = 16
-_FP32_LOG_MAX = 88.72
 
 # Inclusive (min, max) of every integer size, checked before anything is built from it (a typo'd 10**9 layers would
 # otherwise fill memory in `validate` itself). The maxima are generous next to the release's values (in comments).
@@ -351,10 +350,10 @@ class K3TextConfig(_JsonSection):
                 raise ValueError(f"text_config.{name} ({token!r}) is outside the vocabulary of {self.vocab_size}")
         if not la.use_full_rank_gate:
             raise ValueError("text_config.linear_attn_config.use_full_rank_gate must be true (K3's g_proj is full rank)")
-        if not (la.gate_lower_bound < 0 and _KDA_TILE * abs(la.gate_lower_bound) < _FP32_LOG_MAX):
+        if not (la.gate_lower_bound < 0 and _KDA_TILE * abs(la.gate_lower_bound) < FP32_EXP_LIMIT):
             raise ValueError(
                 f"text_config.linear_attn_config.gate_lower_bound ({la.gate_lower_bound}) must be negative with "
-                f"16 * |bound| < {_FP32_LOG_MAX} so the dense 16-token KDA tiles stay finite in fp32"
+                f"16 * |bound| < {FP32_EXP_LIMIT} so the dense 16-token KDA tiles stay finite in fp32"
             )
         all_layers = set(range(1, self.num_hidden_layers + 1))
         kda, full = list(la.kda_layers), list(la.full_attn_layers)

@@ -1,5 +1,5 @@
-"""Tiny process-agnostic helpers shared by every openk3 package: dtype names, seeding, relative error, and the two
-checks every reader of a checkpoint folder uses (`file_inside`, `read_json`).
+"""Tiny process-agnostic helpers shared by every openk3 package: dtype names, relative error, the fp32 exp limit,
+and the checks every reader and writer of a checkpoint folder uses (`file_inside`, `read_json`, `open_permissions`).
 
 Only the standard library and torch may be imported here (see STYLE.md §2).
 """
@@ -10,10 +10,13 @@ import contextlib
 import functools
 import json
 import os
-import random
 from typing import Any
 
 import torch
+
+# ln(fp32 max) ~ 88.72: e^x overflows to inf above it. KDA's tiles need chunk * |gate lower bound| below it
+# (spec/kda.md §5).
+FP32_EXP_LIMIT = 88.72
 
 _DTYPES = {
     "float32": torch.float32,
@@ -34,13 +37,6 @@ def to_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
     return _DTYPES[name]
-
-
-def seed_everything(seed: int) -> torch.Generator:
-    """Seed Python and torch; return a CPU generator seeded the same way for explicit use."""
-    random.seed(seed)
-    torch.manual_seed(seed)
-    return torch.Generator().manual_seed(seed)
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:

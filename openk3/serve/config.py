@@ -68,7 +68,6 @@ class ServeConfig:
     # Fill freed state slots and freed pages with NaN so any read of unwritten memory poisons the logits
     # (spec §7 #3). Costs one fill per free; on by default because silent corruption is the worse failure.
     poison_free: bool = True
-    seed: int = 0
 
     @classmethod
     def from_options(cls, **options: Any) -> ServeConfig:

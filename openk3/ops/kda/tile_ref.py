@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from openk3.ops.kda.ref import run_sequences
+from openk3.utils import FP32_EXP_LIMIT
 
-# ln(fp32 max) ≈ 88.72: e^x overflows to inf above it (spec §5).
-_FP32_EXP_LIMIT = 88.72
 
 
 def kda_chunked_tiles(
@@ -62,11 +61,11 @@ def check_tile(chunk_size: int, lower_bound: float) -> None:
     """Reject tiles whose anchor factor e^(chunk_size * |lower_bound|) would overflow fp32 (spec/kda.md §5)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got chunk_size={chunk_size}")
-    if chunk_size * abs(lower_bound) >= _FP32_EXP_LIMIT:
+    if chunk_size * abs(lower_bound) >= FP32_EXP_LIMIT:
         raise ValueError(
             f"chunk_size={chunk_size} with lower_bound={lower_bound}: the in-tile anchor factor "
             f"exp(chunk_size * |lower_bound|) = exp({chunk_size * abs(lower_bound):g}) overflows fp32; "
-            f"need chunk_size * |lower_bound| < {_FP32_EXP_LIMIT}"
+            f"need chunk_size * |lower_bound| < {FP32_EXP_LIMIT}"
         )
 
 

@@ -109,10 +109,6 @@ class BlockPool:
                 self._on_free(block)
                 self.free.append(block)
 
-    def touch(self, block: int) -> None:
-        if block in self.evictable:
-            self.evictable.move_to_end(block)
-
     def check(self) -> None:
         """Invariants (tests call this after every step): no page both free and referenced or cached."""
         free, evictable = set(self.free), set(self.evictable)

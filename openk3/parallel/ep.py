@@ -79,7 +79,12 @@ class AllToAllDispatcher:
             if n:
                 outs.append(_expert_forward(experts, e, rows_sorted[start : start + n], 1.0 / self.world))
                 start += n
-        out_sorted = torch.cat(outs) if outs else recv_rows.new_zeros(0, recv_rows.shape[-1])
+        if not outs:
+            # No rows here (routing sent every token elsewhere). The empty output must still hang off recv_rows and
+            # the expert weights: else autograd drops this rank's reverse all-to-alls from the backward while the
+            # other ranks wait in them (the EP hang), and the weights get no gradient where one process gives zeros.
+            outs.append(_expert_forward(experts, 0, rows_sorted[:0], 1.0 / self.world))
+        out_sorted = torch.cat(outs)
         out_recv = out_sorted[torch.argsort(by_expert)]
         back_PL = all_to_all_single(rows_PL.new_empty(rows_PL.shape[0], out_recv.shape[-1]), out_recv, send, recv,
                                     self.group)  # fmt: skip

@@ -12,6 +12,7 @@ balancing writes them identically on every rank (train/balance.py all-reduces it
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -68,6 +69,7 @@ def sync_expert_grads(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims) ->
         return
     group, n = replicas.get_group(), dims.dp * dims.cp
     for p in expert_parameters(model):
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
-            p.grad.div_(n)
+        if p.grad is None:  # no token reached these experts on this replica: every replica must join the all-reduce
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad, group=group)
+        p.grad.div_(n)

@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from openk3.train.flags import add_train_arguments, config_from_args
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cfg.device = "cpu"
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    # A collective that never completes (ranks disagreeing on what to call next) ends the run with an error after
+    # this many seconds instead of hanging forever; TORCH_DISTRIBUTED_DEBUG=DETAIL names the mismatched collectives.
+    timeout = timedelta(seconds=float(os.environ.get("OPENK3_COLLECTIVE_TIMEOUT_S", DEFAULT_COLLECTIVE_TIMEOUT_S)))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
     try:
         trainer = DistributedTrainer(cfg)
         summary = trainer.run()

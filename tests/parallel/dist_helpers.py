@@ -5,16 +5,22 @@ from __future__ import annotations
 import os
 import tempfile
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+
 def _entry(rank: int, world: int, store: str, fn, args, results) -> None:
     torch.set_num_threads(1)
     # A file rendezvous: no TCP port to race for when several tests spawn ranks on a busy machine.
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    # A collective that never matches (a hang) fails the test after COLLECTIVE_TIMEOUT instead of waiting forever.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
     try:
         results[rank] = fn(rank, world, *args)
     except BaseException:

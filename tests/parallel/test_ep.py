@@ -58,3 +58,44 @@ def test_expert_parallel_matches_single_process():
     for loss, grads, (lo, hi) in results:
         assert abs(loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
         assert_gradients_match(grads, {name: g[lo:hi] if ".experts." in name else g for name, g in ref_grads.items()})
+
+
+def _route_to_rank0(model) -> None:
+    """Bias every MoE router so that all tokens pick experts 0 and 1, which rank 0 owns: rank 1 receives no rows."""
+    for layer in model.model.layers:
+        moe = getattr(layer, "block_sparse_moe", None)
+        if moe is not None and hasattr(moe, "gate"):
+            bias = moe.gate.e_score_correction_bias
+            with torch.no_grad():
+                bias.fill_(-100.0)
+                bias[:2] = 100.0
+
+
+def idle_rank(rank: int, world: int):
+    from openk3.parallel.ep import apply_expert_parallel
+
+    model = two_layer_model()
+    _route_to_rank0(model)
+    apply_expert_parallel(model, dist.group.WORLD)
+    ids = batch().chunk(world)[rank]
+    loss, grads = loss_and_grads(model, ids)
+    dist.all_reduce(loss)  # a collective after backward: a rank that skipped the reverse all-to-all deadlocks here
+    for name, g in grads.items():
+        if ".experts." not in name:
+            dist.all_reduce(g)
+            g.div_(world)
+    return float(loss) / world, grads, model.model.layers[1].block_sparse_moe.expert_range
+
+
+def test_a_rank_whose_experts_get_no_tokens_joins_every_backward_collective():
+    """Issue 20's hang at step 8: when routing sends no rows to a rank, its reverse all-to-alls in backward must still
+    run (the empty expert output used to be cut from the graph, so the other ranks waited in all_to_all until the
+    collective timeout). Same loss and gradients as one process, including the idle rank's zero expert gradients."""
+    ref = two_layer_model()
+    _route_to_rank0(ref)
+    ref_loss, ref_grads = loss_and_grads(ref, batch())
+    for loss, grads, (lo, hi) in run_ranks(2, idle_rank):
+        assert abs(loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+        assert_gradients_match(grads, {name: g[lo:hi] if ".experts." in name else g for name, g in ref_grads.items()})
+        if lo > 0:
+            assert all(not g.any() for n, g in grads.items() if ".experts." in n)  # the idle rank's experts: zeros

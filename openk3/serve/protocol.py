@@ -2,8 +2,8 @@
 
 Requests are strict pydantic models (no bool-as-int, no string numbers, finite floats, valid Unicode) that ignore
 unknown fields (e.g. `user`), refuse the OpenAI fields not implemented yet (`UNSUPPORTED`: tools, logit_bias, ...)
-and reject bad values with a message naming the field; responses are plain dicts in OpenAI's JSON. Engine extras (`top_k`) arrive as extra
-body fields, as the openai client's `extra_body` sends them.
+and reject bad values with a message naming the field; responses are plain dicts in OpenAI's JSON. Engine extras
+(`top_k`) arrive as extra body fields, as the openai client's `extra_body` sends them.
 """
 
 from __future__ import annotations

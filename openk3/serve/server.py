@@ -53,20 +53,24 @@ from openk3.serve.streaming import TextDelta
 
 log = logging.getLogger("openk3.serve")
 DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks that its client is still there
-
-
 PREPROCESS_THREADS = 2
 
 
+def _json(content, **options) -> str:
+    """JSON text that always encodes as UTF-8: text holding a lone surrogate is written with \\u escapes instead."""
+    text = json.dumps(content, ensure_ascii=False, **options)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(content, ensure_ascii=True, **options)
+    return text
+
+
 class SafeJSONResponse(JSONResponse):
-    """JSON that always encodes: text holding a lone surrogate is written with \\u escapes instead of crashing."""
+    """A JSONResponse that never fails to encode (see `_json`)."""
 
     def render(self, content) -> bytes:
-        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        try:
-            return text.encode("utf-8")
-        except UnicodeEncodeError:
-            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+        return _json(content, allow_nan=False, separators=(",", ":")).encode("utf-8")
 
 
 class BodyLimit:
@@ -137,8 +141,8 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
     err = max(errors, key=lambda e: len(e.get("loc", ())))
     path = [str(p) for p in err.get("loc", ()) if p != "body" and not (isinstance(p, str) and (
         "[" in p or p in _TYPE_TAGS))]  # fmt: skip
-    where = ".".join(path) or None
-    return f"{where or 'body'}: {err.get('msg', 'invalid value').removeprefix('Value error, ')}", (path[0] if path else None)
+    message = err.get("msg", "invalid value").removeprefix("Value error, ")
+    return f"{'.'.join(path) or 'body'}: {message}", (path[0] if path else None)
 
 
 def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -206,11 +210,11 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{model_name}`",
                            "not_found_error", "model")  # fmt: skip
 
-    async def off_loop(fn, *args):
+    async def off_loop(fn):
         """Run CPU work (tokenizing, rendering) in the preprocessing threads under the time limit."""
         loop = asyncio.get_running_loop()
         try:
-            return await asyncio.wait_for(loop.run_in_executor(preprocess, fn, *args), preprocess_timeout_s)
+            return await asyncio.wait_for(loop.run_in_executor(preprocess, fn), preprocess_timeout_s)
         except asyncio.TimeoutError as err:
             raise APIError(500, f"preparing the prompt took longer than {preprocess_timeout_s:g} s",
                            "server_error") from err  # fmt: skip
@@ -225,9 +229,6 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
             raise APIError(503, str(err), "server_error") from err
         try:
             prompt = await off_loop(prepare)
-        except ValueError as err:  # a prompt that cannot be tokenized
-            llm.release(params.n)
-            raise APIError(400, str(err), param="prompt") from err
         except BaseException:
             llm.release(params.n)
             raise
@@ -264,15 +265,16 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
             out = task.result()
         except EngineDead as err:
             raise APIError(503, str(err), "server_error") from err
-        failed = next((o for o in out.outputs if o.finish_reason == "error"), None)
-        if failed is not None:
-            raise APIError(500, failed.error or "the request failed in the engine", "server_error")
+        _raise_if_failed(out)
         return out
 
     def prepare_completion(prompt):
-        if isinstance(prompt, str):
+        if not isinstance(prompt, str):
+            return {"prompt_token_ids": prompt}
+        try:
             return {"prompt": prompt, "prompt_token_ids": engine.encode_prompt(prompt)}
-        return {"prompt_token_ids": prompt}
+        except ValueError as err:  # text that cannot be tokenized
+            raise APIError(400, str(err), param="prompt") from err
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -355,9 +357,7 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
         try:
             async for out in outputs:
                 final = out
-                failed = next((o for o in out.outputs if o.finish_reason == "error"), None)
-                if failed is not None:
-                    raise APIError(500, failed.error or "the request failed in the engine", "server_error")
+                _raise_if_failed(out)
                 for o in out.outputs:
                     if o.index in finished_choices:
                         continue
@@ -393,9 +393,11 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
 
 
 def _event(body: dict) -> str:
-    text = json.dumps(body, ensure_ascii=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = json.dumps(body)
-    return f"data: {text}\n\n"
+    return f"data: {_json(body)}\n\n"
+
+
+def _raise_if_failed(out: RequestOutput) -> None:
+    """A request one of whose samples ended in error (non-finite logits, a failed step) is a 500 of its own."""
+    failed = next((o for o in out.outputs if o.finish_reason == "error"), None)
+    if failed is not None:
+        raise APIError(500, failed.error or "the request failed in the engine", "server_error")

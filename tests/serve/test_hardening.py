@@ -147,8 +147,8 @@ def test_non_finite_verify_logits_fail_the_speculating_requests_and_free_them():
         return (torch.full_like(logits, float("nan")) if verify else logits), records
 
     engine.runner.run = nan_verify
-    engine.add_request({"prompt_token_ids": random_prompt(20, seed=2)}, SamplingParams(max_tokens=12, n=2, temperature=0.5, seed=0),
-                       request_id="spec")  # fmt: skip
+    params = SamplingParams(max_tokens=12, n=2, temperature=0.5, seed=0)
+    engine.add_request({"prompt_token_ids": random_prompt(20, seed=2)}, params, request_id="spec")
     finals = {}
     while engine.has_unfinished():
         finals.update({o.request_id: o for o in engine.step() if o.finished})

@@ -47,9 +47,7 @@ class AsyncLLM:
         self._stop = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._reserved = 0  # sequences admitted on the event loop but not yet in the scheduler's waiting queue
-        self.error: BaseException | None = None  # the last error the loop contained
-        self.failed_steps = 0
-        self._last_failure = float("-inf")
+        self.error: BaseException | None = None  # the last error the loop contained (counted by the engine)
         self._thread = threading.Thread(target=self._loop, name="openk3-engine", daemon=True)
         self._thread.start()
 
@@ -62,10 +60,10 @@ class AsyncLLM:
         if not self.alive:
             return {"status": "dead", "error": "the engine loop is not running" + (
                 f" (last error: {self.error!r})" if self.error is not None else "")}  # fmt: skip
-        body = {"status": "ok", "failed_steps": self.failed_steps + self.engine.failed_steps}
-        recent = max(self._last_failure, self.engine.last_failure)
-        if time.monotonic() - recent < self.DEGRADED_WINDOW_S:
-            body.update(status="degraded", last_error=self.engine.last_error or repr(self.error))
+        engine = self.engine
+        body = {"status": "ok", "failed_steps": engine.failed_steps}
+        if time.monotonic() - engine.last_failure < self.DEGRADED_WINDOW_S:
+            body.update(status="degraded", last_error=engine.last_error)
         return body
 
     def stop(self) -> None:
@@ -92,7 +90,8 @@ class AsyncLLM:
             raise EngineDead("the engine loop is not running")
         waiting = self.num_waiting()
         if waiting + n > self.max_waiting:
-            raise QueueFull(f"{waiting} sequences are already waiting (limit {self.max_waiting}; this request adds {n})")
+            raise QueueFull(f"{waiting} sequences are already waiting (limit {self.max_waiting}; "
+                            f"this request adds {n})")
         self._reserved += n
 
     def release(self, n: int) -> None:
@@ -158,7 +157,7 @@ class AsyncLLM:
                                 self.engine.release_finished(out.request_id)
             except Exception as err:  # noqa: BLE001 - outside a step's own containment: fail everything open
                 log.exception("engine loop error; failing every open request")
-                self.error, self.failed_steps, self._last_failure = err, self.failed_steps + 1, time.monotonic()
+                self.error = err
                 with self._lock:
                     outputs = self.engine.fail_all(f"the engine failed: {type(err).__name__}: {err}")
                     for out in outputs:

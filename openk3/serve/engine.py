@@ -80,7 +80,8 @@ class LLMEngine:
         self._prompts: dict[str, str | None] = {}
         self._counter = itertools.count()
         self.step_count = 0
-        self.failed_steps, self.last_failure, self.last_error = 0, float("-inf"), None  # contained step failures
+        # Contained failures (a step that raised, or the caller's fail_all): how many, when the last was, and why.
+        self.failed_steps, self.last_failure, self.last_error = 0, float("-inf"), None
         info = self.cache_info()
         log.info(
             "cache: %d MLA pages of %d tokens (%s B per token, %.1f MiB), %d KDA state slots of %.2f MiB (%d for "
@@ -180,7 +181,7 @@ class LLMEngine:
         except Exception as err:  # noqa: BLE001 - one bad step fails its own requests, never the engine
             log.exception("engine step %d failed; failing the requests it ran", self.step_count)
             message = f"the engine step failed: {type(err).__name__}: {err}"
-            self.failed_steps, self.last_failure, self.last_error = self.failed_steps + 1, time.monotonic(), message
+            self._record_failure(message)
             for req in [c.req for c in plan.chunks] + [req for group in plan.verify.values() for req, _ in group]:
                 self._fail(req, message)
                 touched[req.request_id] = None
@@ -293,9 +294,13 @@ class LLMEngine:
                 sibling.finish_reason, sibling.error = "error", message
                 self._finish(sibling)
 
+    def _record_failure(self, message: str) -> None:
+        self.failed_steps, self.last_failure, self.last_error = self.failed_steps + 1, time.monotonic(), message
+
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every open request with finish_reason "error" (the caller's last resort after an error outside a
-        step's own containment); returns their final outputs."""
+        step's own containment; counted as a failure); returns their final outputs."""
+        self._record_failure(message)
         touched = [rid for rid, reqs in self.requests.items() if not all(r.is_finished for r in reqs)]
         for rid in touched:
             self._fail(self.requests[rid][0], message)

@@ -155,8 +155,7 @@ def cmd_serve(args) -> int:
         Server(config).run()
     finally:
         llm.shutdown()
-        if hasattr(template, "renderer"):
-            template.renderer.close()
+        template.close()
     return 0
 
 

@@ -19,12 +19,12 @@ token for token.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from openk3.data.jinja_sandbox import SandboxedRenderer, TemplateError, compile_check
+from openk3.utils import file_inside, read_json
 
 ROLES = ("system", "user", "assistant")
 
@@ -78,6 +78,9 @@ class PlainChatTemplate:
         """Stop strings besides EOS: a model that forgets EOS still ends its turn before writing the next one."""
         return ["\n### User:", "\n### System:"]
 
+    def close(self) -> None:
+        """Nothing to release (a JinjaChatTemplate stops its worker process)."""
+
 
 class JinjaChatTemplate:
     """A checkpoint's Hugging Face-style template, rendered in a worker process under a time and output limit
@@ -111,6 +114,10 @@ class JinjaChatTemplate:
     def stop(self) -> list[str]:
         return []
 
+    def close(self) -> None:
+        """Stop the template worker process."""
+        self.renderer.close()
+
 
 def _special_text(tokenizer, token_id: int | None) -> str:
     """How a special token is spelled (bos_token, eos_token in a template's context); "" where it has no name."""
@@ -131,25 +138,23 @@ def _pick_template(value, file: str) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         if isinstance(named.get("default"), str):
             return named["default"]
-        raise ValueError(f"{file}: chat_template is a list without a 'default' entry (names: {sorted(map(str, named))})")
-    raise ValueError(f"{file}: chat_template must be a string or a list of {{name, template}}, got {type(value).__name__}")
+        names = sorted(map(str, named))
+        raise ValueError(f"{file}: chat_template is a list without a 'default' entry (names: {names})")
+    kind = type(value).__name__
+    raise ValueError(f"{file}: chat_template must be a string or a list of {{name, template}}, got {kind}")
 
 
 def load_chat_template(path: str | os.PathLike | None, tokenizer, renderer: SandboxedRenderer | None = None):
     """The checkpoint's own template when it ships one (chat_template.jinja, or tokenizer_config.json
     `chat_template`), else `PlainChatTemplate`. A broken template is a ValueError naming its file."""
     if path is not None:
-        jinja_file = os.path.join(path, "chat_template.jinja")
+        jinja_file = file_inside(path, "chat_template.jinja", "chat template file")
         if os.path.isfile(jinja_file):
             with open(jinja_file, encoding="utf-8") as f:
                 return JinjaChatTemplate(tokenizer, f.read(), renderer, origin=jinja_file)
-        config_file = os.path.join(path, "tokenizer_config.json")
+        config_file = file_inside(path, "tokenizer_config.json", "tokenizer file")
         if os.path.isfile(config_file):
-            try:
-                with open(config_file, encoding="utf-8") as f:
-                    config = json.load(f)
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise ValueError(f"{config_file}: not valid JSON ({err})") from None
+            config = read_json(config_file)
             source = _pick_template(config.get("chat_template") if isinstance(config, dict) else None, config_file)
             if source is not None:
                 return JinjaChatTemplate(tokenizer, source, renderer, origin=config_file)

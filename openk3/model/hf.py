@@ -62,7 +62,7 @@ def _open_safetensors(file: str):
         raise ValueError(f"{file}: not a readable safetensors file ({err})") from err
 
 
-def _weight_files(path: str) -> dict[str, str]:
+def weight_files(path: str) -> dict[str, str]:
     """Map every stored tensor name to the file holding it, inside `path`."""
     index = file_inside(path, INDEX_FILE)
     if os.path.exists(index):
@@ -132,7 +132,7 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device="cpu"):
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint folder {path} does not exist")
     config = K3Config.from_pretrained(path)
-    files = _weight_files(path)
+    files = weight_files(path)
     reader = _Reader(files)
     with torch.device("meta"):
         model = cls(config)

@@ -34,7 +34,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from openk3.model.hf import INDEX_FILE, SINGLE_FILE
+from openk3.model.hf import weight_files
 from openk3.utils import open_permissions, read_json
 
 CHECKPOINTS = "checkpoints"
@@ -149,18 +149,14 @@ def checkpoint_problem(path: str) -> str | None:
     load reads is there and parses (JSON files; safetensors headers, which catch truncation). Reads no tensor data."""
     if not os.path.isdir(path):
         return "the folder does not exist"
-    name = ""
+    name, weights = "", "the model's weight files"
     try:
         name = "config.json"
         read_json(os.path.join(path, name))
-        name = INDEX_FILE
-        if os.path.exists(os.path.join(path, name)):
-            for shard in sorted(set(read_json(os.path.join(path, name))["weight_map"].values())):
-                name = shard
-                _check_safetensors(os.path.join(path, name))
-        else:
-            name = SINGLE_FILE
-            _check_safetensors(os.path.join(path, name))
+        name = weights
+        for file in sorted(set(weight_files(path).values())):  # the loader's own resolution (index or single file)
+            name = os.path.basename(file)
+            _check_safetensors(file)
         name = "trainer_state.json"
         state = read_json(os.path.join(path, name))
         if not isinstance(state.get("step"), int):
@@ -177,8 +173,8 @@ def checkpoint_problem(path: str) -> str | None:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if os.path.exists(os.path.join(path, name)):
                 read_json(os.path.join(path, name))
-    except FileNotFoundError:
-        return f"{name} is missing"
+    except FileNotFoundError as err:  # the loader's own error says which weight files it looked for
+        return str(err) if name == weights else f"{name} is missing"
     except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError) as err:
         return f"{name}: {err}"
     return None

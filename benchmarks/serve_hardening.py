@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx2
@@ -202,8 +203,6 @@ def overload(srv: Server) -> dict:
 
 def big_body(srv: Server) -> dict:
     raw = json.dumps({"messages": [{"role": "user", "content": "x" * (20 * 2**20)}]}).encode()
-    import threading
-
     result, worst = {}, 0.0
 
     def post():
@@ -274,9 +273,18 @@ def main() -> None:
     ap.add_argument("--fuzz", type=int, default=2400)
     ap.add_argument("--out", default="benchmarks/results/serve-hardening")
     args = ap.parse_args()
-    from openk3 import K3Config, K3ForCausalLM
+    with tempfile.TemporaryDirectory(prefix="k3-hardening-") as root:  # the checkpoints, removed at the end
+        results = _measure(root, args.fuzz)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(_markdown(results))
+    print(f"wrote {args.out}.json and {args.out}.md")
 
-    root = tempfile.mkdtemp(prefix="k3-hardening-")
+
+def _measure(root: str, n_fuzz: int) -> dict:
+    from openk3 import K3Config, K3ForCausalLM
 
     def make_ckpt(path: str) -> str:
         model = K3ForCausalLM(K3Config.preset("tiny"))
@@ -289,7 +297,7 @@ def main() -> None:
                      "python": platform.python_version()}  # fmt: skip
     srv = Server(ckpt, "--max-model-len", "384")
     try:
-        for name, fn in (("fuzz", lambda: fuzz(srv, args.fuzz)), ("sampling", lambda: sampling(srv)),
+        for name, fn in (("fuzz", lambda: fuzz(srv, n_fuzz)), ("sampling", lambda: sampling(srv)),
                          ("concurrency", lambda: concurrency(srv)), ("disconnects", lambda: disconnects(srv)),
                          ("body", lambda: big_body(srv))):  # fmt: skip
             start = time.perf_counter()
@@ -307,12 +315,7 @@ def main() -> None:
     print("template:", results["template"], flush=True)
     results["sigterm"] = sigterm(ckpt)
     print("sigterm:", results["sigterm"], flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(_markdown(results))
-    print(f"wrote {args.out}.json and {args.out}.md")
+    return results
 
 
 def _markdown(r: dict) -> str:

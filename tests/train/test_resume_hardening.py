@@ -11,8 +11,8 @@ import shutil
 
 import pytest
 import torch
-from corpus_fixture import corpus  # noqa: F401 - the pytest fixture
 from safetensors.torch import load_file
+from train_helpers import corpus, small_config  # noqa: F401 - corpus is the pytest fixture
 
 from openk3 import K3Config, K3ForCausalLM
 from openk3.cli import main
@@ -22,14 +22,8 @@ from openk3.train.config import TrainConfig
 from openk3.train.optim import build_optimizer
 from openk3.train.trainer import Trainer
 
-QUIET = dict(progress=False, sample_tokens=0)
-
-
 def _cfg(corpus, out, **kw):
-    base = dict(data=corpus, tokenizer="byte", batch_size=4, seq_len=64, steps=4, eval_every=100, save_every=2,
-                out=str(out), **QUIET)  # fmt: skip
-    base.update(kw)
-    return TrainConfig(**base)
+    return small_config(corpus, out, **{"steps": 4, "eval_every": 100, "save_every": 2, **kw})
 
 
 def _rows(run):

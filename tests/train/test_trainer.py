@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
-from corpus_fixture import corpus  # noqa: F401 - the pytest fixture
 from grad_match import assert_gradients_match
 from safetensors.torch import load_file
+from train_helpers import QUIET, corpus, small_config  # noqa: F401 - corpus is the pytest fixture
 
 from openk3 import K3ForCausalLM
 from openk3.cli import main
@@ -23,14 +23,8 @@ from openk3.train.checkpoint import latest_checkpoint
 from openk3.train.config import TrainConfig
 from openk3.train.trainer import NonFiniteError, Trainer
 
-QUIET = dict(progress=False, sample_tokens=0)
-
-
 def _cfg(corpus, out, **kw):
-    base = dict(data=corpus, tokenizer="byte", batch_size=4, seq_len=64, steps=6, eval_every=3, save_every=100,
-                out=str(out), **QUIET)  # fmt: skip
-    base.update(kw)
-    return TrainConfig(**base)
+    return small_config(corpus, out, **{"steps": 6, "eval_every": 3, "save_every": 100, **kw})
 
 
 def _losses(run):

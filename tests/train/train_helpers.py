@@ -1,11 +1,15 @@
-"""The trainer tests' corpus fixture (a module, not a conftest: tests import `conftest` by name, so a second
-one would shadow tests/conftest.py)."""
+"""Shared pieces of the trainer tests: the corpus fixture and a small config on it (a module, not a conftest: tests
+import `conftest` by name, so a second one would shadow tests/conftest.py)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+
+from openk3.train.config import TrainConfig
+
+QUIET = dict(progress=False, sample_tokens=0)
 
 
 @pytest.fixture(scope="module")
@@ -18,3 +22,9 @@ def corpus(tmp_path_factory):
             with open(os.path.join(src, name), encoding="utf-8") as f:
                 (root / f"{name}.txt").write_text(f.read(), encoding="utf-8")
     return str(root)
+
+
+def small_config(corpus: str, out, **overrides) -> TrainConfig:
+    """A tiny-preset run on `corpus`: byte tokenizer, 4 x 64-token batches, quiet; `overrides` set the rest."""
+    return TrainConfig(**{**dict(data=corpus, tokenizer="byte", batch_size=4, seq_len=64, out=str(out), **QUIET),
+                          **overrides})  # fmt: skip

@@ -29,7 +29,6 @@ from openk3.ops.kda.ref import run_sequences
 from openk3.utils import FP32_EXP_LIMIT
 
 
-
 def kda_chunked_tiles(
     q: torch.Tensor,
     k: torch.Tensor,

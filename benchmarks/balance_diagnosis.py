@@ -32,8 +32,8 @@ import os
 import statistics
 
 import torch
+from report import write_report
 
-from openk3.bench.report import write_report
 from openk3.model.batch import ForwardBatch
 from openk3.model.model import K3ForCausalLM
 from openk3.ops.moe.route import route_topk
@@ -45,7 +45,7 @@ from openk3.train.balance import (
     quantile_histogram,
     solve_exact,
 )
-from openk3.train.checkpoint import resolve_checkpoint
+from openk3.train.checkpoint import load_model
 from openk3.train.config import TrainConfig
 from openk3.train.data import RunData
 from openk3.train.metrics import expert_loads, max_vio, random_routing_maxvio_floor
@@ -133,8 +133,7 @@ def main() -> None:
     parser.add_argument("--ema", type=float, default=0.5, help="the damped variant's --balance-ema")
     parser.add_argument("--out", default="benchmarks/results/balance-diagnosis")
     args = parser.parse_args()
-    ckpt = resolve_checkpoint(args.ckpt)
-    model = K3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    model = load_model(args.ckpt, dtype=torch.float32)[0].eval()
     text = model.config.text_config
     k, E = text.num_experts_per_token, text.num_experts
     biases = [m.gate.e_score_correction_bias.float().clone() for _, m in moe_layers(model)]
@@ -152,7 +151,9 @@ def main() -> None:
         report["shapes"].append(d)
         print(json.dumps({key: d[key] for key in ("shape", "q_bar", "floor_one_layer")}),
               *(json.dumps({key: round(v, 4) for key, v in row.items()}) for row in d["per_layer"]), sep="\n", flush=True)  # fmt: skip
-    write_report(report, args.out, _markdown(report))
+    markdown = _markdown(report)
+    print(markdown)
+    write_report(report, args.out, markdown)
 
 
 COLUMNS = ("rows", "shuffled", "rows_exact_ema", "shuffled_exact_ema", "oracle", "in_sample",

@@ -36,6 +36,7 @@ import threading
 import time
 
 import httpx2
+from report import write_report
 
 HOSTILE_NUMBERS = [0, 1, -1, 2, 7, 1e-300, 5e-324, 1e-39, 1e308, 2**63, 2**64, 0.5, True, False, None]
 HOSTILE_TEXT = ["hi", "", "\ud800", "a\udfffb", "<|eos|>", "{{ 7*7 }}", "x" * 5000, "\x00", "🙂"]
@@ -275,12 +276,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="k3-hardening-") as root:  # the checkpoints, removed at the end
         results = _measure(root, args.fuzz)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(_markdown(results))
-    print(f"wrote {args.out}.json and {args.out}.md")
+    write_report(results, args.out, _markdown(results))
 
 
 def _measure(root: str, n_fuzz: int) -> dict:

@@ -23,18 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
 import time
 
 import torch
+from report import machine_info, measure_matmul, write_report
 
-from openk3.bench.report import write_report
 from openk3.train.config import TrainConfig
 from openk3.train.metrics import random_routing_maxvio_floor
-from openk3.train.throughput import matmul_gflops
 from openk3.train.trainer import Trainer
 
 
@@ -82,8 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     q = args.quick
     root = tempfile.mkdtemp(prefix="openk3-bench-train-")
-    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
-               "threads": torch.get_num_threads(), "matmul_fp32_gflops": matmul_gflops(torch.device("cpu"), n=2048, seconds=1.0)}  # fmt: skip
+    machine = {**machine_info(), "matmul_fp32_gflops": measure_matmul(False, [torch.float32])["fp32"]}
     print(f"machine: {machine}")
     default = dict(steps=6 if q else TrainConfig.steps, eval_every=3 if q else 25)
     damped = dict(balance_exact_thresholds=True, balance_ema=0.5)
@@ -111,7 +108,9 @@ def main() -> None:
         print(f"  {r['steps']} steps in {r['wall_s']:.0f}s, final {r['final']}, max_vio_last20 {r['max_vio_last20']}, "
               f"floor {r['max_vio_floor']:.4f} (q̄ {r['q_bar']:.0f})", flush=True)  # fmt: skip
     report = {"machine": machine, "runs": results}
-    write_report(report, args.out, _markdown(report))
+    markdown = _markdown(report)
+    print(markdown)
+    write_report(report, args.out, markdown)
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -6,12 +6,12 @@
     k3 demo [--out DIR]                                  the README's main job: init tiny -> save -> reload -> generate
     k3 train --preset tiny --out DIR [...]               train (README's main job), resumable with --resume
     k3 plot RUN_DIR                                      PNG plots of a run's metrics
-    k3 export --ckpt DIR --out DIR                       a checkpoint in the release dtypes (bf16 + fp32 extras)
+    k3 export --ckpt DIR --out DIR                       a training checkpoint or run in the release format (bf16 + fp32)
     k3 tokenizer train --out DIR [--data PATH]           a byte-level BPE for a preset's vocabulary
     k3 serve --ckpt DIR [--host H] [--port P]             OpenAI-compatible server (/v1/completions, /v1/chat/...)
     k3 chat --ckpt DIR                                   interactive terminal chat with streaming
     k3 plan (--ckpt DIR | --preset NAME) [...]           hybrid-cache bytes per token and request vs all-MLA
-    k3 bench kda [...]                                   benchmarks (`k3 bench kda --help`)
+    k3 bench (kda|serve|ep) [...]                        the checkout's benchmarks/NAME.py (`k3 bench kda --help`)
 """
 
 from __future__ import annotations
@@ -97,11 +97,10 @@ def _generate(model: K3ForCausalLM, prompt: str, args, ckpt: str | None = None) 
 
 
 def cmd_generate(args) -> int:
-    from openk3.train.checkpoint import resolve_checkpoint
+    from openk3.train.checkpoint import load_model
 
-    ckpt = resolve_checkpoint(args.ckpt)
-    model = K3ForCausalLM.from_pretrained(ckpt, dtype=to_dtype(args.dtype)).eval()
-    _generate(model, args.prompt, args, ckpt)
+    model, ckpt = load_model(args.ckpt, dtype=to_dtype(args.dtype))
+    _generate(model.eval(), args.prompt, args, ckpt)
     return 0
 
 
@@ -112,10 +111,10 @@ def _engine_from_args(args):
     from openk3.data.jinja_sandbox import SandboxedRenderer
     from openk3.serve.config import ServeConfig
     from openk3.serve.engine import LLMEngine
-    from openk3.train.checkpoint import resolve_checkpoint
+    from openk3.train.checkpoint import load_model
 
-    ckpt = resolve_checkpoint(args.ckpt)
-    model = K3ForCausalLM.from_pretrained(ckpt, dtype=to_dtype(args.dtype)).eval()
+    model, ckpt = load_model(args.ckpt, dtype=to_dtype(args.dtype))
+    model.eval()
     tok = load_tokenizer(ckpt, model.text_config)
     options = {"speculative_config": _speculative_config(args), "enable_prefix_caching": not args.no_prefix_caching,
                "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
@@ -277,16 +276,18 @@ def cmd_plot(args) -> int:
 
 
 def cmd_export(args) -> int:
-    import os
     import shutil
 
-    model = K3ForCausalLM.from_pretrained(args.ckpt)
+    from openk3.train.checkpoint import load_model
+
+    # A training checkpoint (or a run: its newest good one) is read here, offline, in this one process.
+    model, ckpt = load_model(args.ckpt)
     model.to_dtype(to_dtype(args.dtype))
     model.save_pretrained(args.out, max_shard_size=args.max_shard_size)
     for name in ("tokenizer.json", "tokenizer_config.json", "tiktoken.model"):
-        if os.path.exists(os.path.join(args.ckpt, name)):
-            shutil.copy(os.path.join(args.ckpt, name), args.out)
-    print(f"exported {args.ckpt} to {args.out} ({args.dtype} with the release's fp32 tensors)")
+        if os.path.exists(os.path.join(ckpt, name)):
+            shutil.copy(os.path.join(ckpt, name), args.out)
+    print(f"exported {ckpt} to {args.out} ({args.dtype} with the release's fp32 tensors)")
     return 0
 
 
@@ -300,9 +301,6 @@ def cmd_tokenizer_train(args) -> int:
     return 0
 
 
-BENCHMARKS = {"kda": "openk3.bench.kda", "serve": "openk3.bench.serve", "ep": "openk3.bench.ep"}
-
-
 def cmd_plan(args) -> int:
     from openk3.serve.plan import cache_plan, format_plan
 
@@ -312,10 +310,27 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
+# The benchmarks live in the checkout beside the package (benchmarks/NAME.py), not in the installed package.
+BENCHMARKS = ("kda", "serve", "ep")
+BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def load_benchmark(name: str):
+    """The module benchmarks/NAME.py of this checkout, imported with its folder on sys.path (benchmarks import their
+    siblings, e.g. `from report import write_report`, as `python benchmarks/NAME.py` lets them)."""
     import importlib
 
-    return importlib.import_module(BENCHMARKS[args.which]).main(args.rest)
+    path = os.path.join(BENCHMARKS_DIR, name + ".py")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"k3 bench {name}: {path} not found; the benchmarks are in the source checkout, not "
+                                "in the installed package (clone the repository and `pip install -e .`)")  # fmt: skip
+    if BENCHMARKS_DIR not in sys.path:
+        sys.path.insert(0, BENCHMARKS_DIR)
+    return importlib.import_module(name)
+
+
+def cmd_bench(args) -> int:
+    return load_benchmark(args.which).main(args.rest)
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
@@ -369,8 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="folder for the PNGs (default: the run folder)")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("export", help="write a checkpoint in the release dtypes")
-    p.add_argument("--ckpt", required=True)
+    p = sub.add_parser("export", help="write a checkpoint in the release format and dtypes")
+    p.add_argument("--ckpt", required=True, help="a training checkpoint, a training run (its latest), or a release folder")
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--max-shard-size", type=int, default=None)
@@ -432,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="benchmarks: kda, serve, ep")
-    p.add_argument("which", choices=sorted(BENCHMARKS))
+    p.add_argument("which", choices=BENCHMARKS, help="benchmarks/NAME.py of the source checkout")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     p.set_defaults(func=cmd_bench)
     return parser

@@ -1,13 +1,17 @@
-"""`k3 bench kda --quick` runs in seconds and writes JSON with every cell, skipped ones carrying a reason."""
+"""`k3 bench kda --quick` (benchmarks/kda.py through the CLI's entry point) runs in seconds and writes JSON and
+markdown with every cell, skipped ones carrying a reason."""
 
 import json
 
-from openk3.bench import kda as bench_kda
+import kda as bench_kda  # benchmarks/kda.py (pyproject's pytest pythonpath)
+
+from openk3.cli import main as k3
 
 
 def test_bench_kda_quick_writes_every_cell(tmp_path):
     out = tmp_path / "kda.json"
-    assert bench_kda.main(["--quick", "--out", str(out)]) == 0
+    assert k3(["bench", "kda", "--quick", "--out", str(out)]) == 0
+    assert (tmp_path / "kda.md").read_text().startswith("# KDA CPU benchmark")
     result = json.loads(out.read_text())
     assert {"machine", "matmul_gflops", "cells", "checks", "targets"} <= set(result)
     assert result["matmul_gflops"]["fp32"] > 0 and result["machine"]["torch"]

@@ -4,9 +4,11 @@ bad input gives a clear error and exit code 2."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -57,6 +59,59 @@ def test_errors_are_clear(tmp_path, capsys):
     assert main(["generate", "--ckpt", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["init", "--preset", "k3", "--out", str(tmp_path)]) == 2
+
+
+def test_bench_without_the_checkout_names_the_path(tmp_path, monkeypatch, capsys):
+    """`k3 bench` runs benchmarks/NAME.py of the checkout; an install without it fails clearly, naming the path."""
+    import openk3.cli as cli
+
+    assert os.path.isfile(os.path.join(cli.BENCHMARKS_DIR, "kda.py"))
+    monkeypatch.setattr(cli, "BENCHMARKS_DIR", str(tmp_path / "benchmarks"))
+    assert main(["bench", "ep", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert str(tmp_path / "benchmarks" / "ep.py") in err and "source checkout" in err
+
+
+def test_train_flags_come_from_train_config(tmp_path, capsys):
+    """`k3 train`'s flags are TrainConfig's flag fields: types, defaults, switches, choices in --help, and on --resume
+    the saved run's values except this launch's own settings (stop_after, progress, layout)."""
+    import argparse
+    import dataclasses
+
+    from openk3.train.config import TrainConfig
+    from openk3.train.flags import add_train_arguments, config_from_args
+
+    def parse(*argv):
+        p = argparse.ArgumentParser(prog="k3 train")
+        add_train_arguments(p)
+        return config_from_args(p.parse_args(["--out", str(tmp_path), *argv]))
+
+    assert parse() == TrainConfig(out=str(tmp_path))
+    cfg = parse("--steps", "7", "--lr", "0.01", "--micro-batch-size", "4", "--balance", "sign", "--no-progress",
+                "--activation-checkpointing", "--stop-after", "3", "--dp", "2")  # fmt: skip
+    assert (cfg.steps, cfg.lr, cfg.micro_batch_size, cfg.balance) == (7, 0.01, 4, "sign")
+    assert (cfg.progress, cfg.activation_checkpointing, cfg.stop_after, cfg.dp) == (False, True, 3, 2)
+    with pytest.raises(ValueError, match="--schedule must be one of"):
+        parse("--schedule", "linear")
+
+    cfg.save(str(tmp_path))
+    resumed = parse("--resume", "--steps", "9", "--seq-len", "128")
+    assert dataclasses.asdict(resumed) == {**dataclasses.asdict(cfg), "steps": 9, "seq_len": 128, "resume": True,
+                                           "stop_after": None, "progress": True, "dp": 1}  # fmt: skip
+    assert "--resume changes seq_len from 256 to 128" in capsys.readouterr().err
+
+    help_text = subprocess.run([sys.executable, "-m", "openk3.cli", "train", "--help"], capture_output=True,
+                               text=True, check=True).stdout  # fmt: skip
+    flags = {"--preset", "--data", "--tokenizer", "--steps", "--stop-after", "--seed", "--balance", "--balance-bins",
+             "--balance-ema", "--batch-size", "--micro-batch-size", "--seq-len", "--curriculum", "--lr", "--optimizer",
+             "--schedule", "--warmup", "--weight-decay", "--grad-clip", "--device", "--precision", "--eval-every",
+             "--eval-batches", "--save-every", "--keep-checkpoints", "--max-nonfinite", "--sample-tokens", "--dp",
+             "--ep", "--cp", "--out", "--resume", "--activation-checkpointing", "--balance-exact-thresholds",
+             "--no-progress"}  # fmt: skip
+    assert set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", help_text)) == flags | {"--help", "--nproc"}
+    for choices in ("{k3,small,tiny}", "{bpe,byte}", "{quantile,sign,none}", "{wsd,cosine}", "{adamw,muon}",
+                    "{auto,fp32,bf16}"):  # fmt: skip
+        assert choices in help_text
 
 
 def test_console_script_entry_point(tmp_path):

@@ -1,6 +1,7 @@
 """ForwardBatch: the model's internal input. Tokens are packed into one flat row of T tokens; `cu_seqlens` marks
 where each of the N sequences starts. The user-facing `K3ForCausalLM.forward(input_ids, attention_mask, cache)`
-builds one by dropping padding, and scatters the packed logits back.
+builds one by dropping padding, and scatters the packed logits back. `mode` says what the forward does with the
+cache (`Mode`); `context_parallel` carries a context-parallel shard's layout and exchanges (parallel/cp.py).
 
 Layers that need whole sequences (the KDA conv and recurrence, MLA attention) view the packed tokens as a
 right-padded [N, L, ...] block with `to_padded` / `to_packed`; the padded rows are made neutral by each layer.
@@ -11,9 +12,25 @@ Legend: T packed tokens, N sequences, L longest new length of any sequence in th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import torch
+
+
+class Mode(str, Enum):
+    """What a forward does with the cache; layers branch on it at the top of `forward` (STYLE rule 7).
+
+    FULL: no cache (training, plain prefill, a context-parallel shard). EXTEND: new tokens of any lengths on top of
+    a cache (chunked prefill, mixed prefill + decode). DECODE: exactly one new token per sequence on a cache.
+    VERIFY: speculative verification, equal lengths on a cache, no state written (spec/serving.md §4); only ever
+    asked for, never inferred.
+    """
+
+    FULL = "full"
+    EXTEND = "extend"
+    DECODE = "decode"
+    VERIFY = "verify"
 
 
 @dataclass
@@ -24,10 +41,11 @@ class ForwardBatch:
     # Training packs documents into rows of `row_len` tokens; attention can then run per row with a document mask
     # instead of per document. None: sequences are not grouped into rows.
     row_len: int | None = None
-    # Speculative verification (serving): every sequence holds its last accepted token plus its drafts. KDA layers
-    # then run the decode step token by token on a register copy of the state, record each step's inputs through
-    # the cache (`record`) and write no state; the engine folds the accepted prefix afterwards (spec/serving.md §4).
-    verify: bool = False
+    # None: inferred from the cache and the lengths (full / decode / extend); VERIFY is only ever asked for.
+    mode: Mode | None = None
+    # Context parallelism's per-step layout and exchanges: an object built by `parallel/cp.py` (`ContextParallel.
+    # shard`), whose methods the layers call at their hand-off points; None on one rank.
+    context_parallel: Any = None
     seq_lens: list[int] = field(init=False)
     max_len: int = field(init=False)
     uniform: bool = field(init=False)
@@ -37,6 +55,14 @@ class ForwardBatch:
         self.seq_lens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
         self.max_len = max(self.seq_lens, default=0)
         self.uniform = all(n == self.max_len for n in self.seq_lens)
+        self.mode = infer_mode(self.cache is not None, self.seq_lens) if self.mode is None else Mode(self.mode)
+        if self.mode is not Mode.FULL and self.cache is None:
+            raise ValueError(f"mode {self.mode.value} needs a cache")
+        if self.mode is Mode.FULL and self.cache is not None:
+            raise ValueError("mode full runs without a cache")
+        one_each = self.uniform and self.max_len == 1
+        if self.mode is Mode.DECODE and not one_each or self.mode is Mode.VERIFY and not self.uniform:
+            raise ValueError(f"mode {self.mode.value} does not fit the new-token lengths {self.seq_lens}")
 
     @classmethod
     def from_lengths(
@@ -45,11 +71,11 @@ class ForwardBatch:
         seq_lens: list[int],
         cache: Any = None,
         row_len: int | None = None,
-        verify: bool = False,
+        mode: Mode | None = None,
     ) -> ForwardBatch:
         cu = torch.zeros(len(seq_lens) + 1, dtype=torch.long)
         cu[1:] = torch.tensor(seq_lens, dtype=torch.long).cumsum(0)
-        return cls(input_ids_T, cu, cache, row_len, verify)
+        return cls(input_ids_T, cu, cache, row_len, mode)
 
     @classmethod
     def from_rows(cls, input_ids_RL: torch.Tensor, doc_lens: list[list[int]]) -> ForwardBatch:
@@ -68,11 +94,6 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
-
-    @property
-    def is_decode(self) -> bool:
-        """One new token per sequence on top of a cache: the released code's recurrent (decode) path."""
-        return self.cache is not None and self.max_len == 1 and self.uniform
 
     def valid_mask(self, device: torch.device) -> torch.Tensor:
         """[N, L] bool, True at real (non-padding) positions of the right-padded view."""
@@ -96,3 +117,11 @@ class ForwardBatch:
         """[N, L, ...] -> [T, ...], dropping the padding."""
         flat = x_NL.reshape(self.num_seqs * self.max_len, *x_NL.shape[2:])
         return flat if self.uniform else flat.index_select(0, self._padded_index(x_NL.device))
+
+
+def infer_mode(has_cache: bool, seq_lens: list[int]) -> Mode:
+    """The mode a batch of these new-token lengths runs in when the caller does not say: no cache is full, one
+    token per sequence on a cache is decode, anything else on a cache is extend."""
+    if not has_cache:
+        return Mode.FULL
+    return Mode.DECODE if seq_lens and all(n == 1 for n in seq_lens) else Mode.EXTEND

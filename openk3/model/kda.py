@@ -8,8 +8,14 @@
     o          = DeltaRule(q^ * K^-0.5, k^, v1, g, beta)                (fp32 state)
     out        = o_proj(RMSNorm_gated(o; o_norm, sigmoid(g_proj(x))))
 
-Kernel choice is visible here: one new token per sequence on top of a cache is the decode step (`kda_step`, the
-released code's fused recurrent path); everything else is the chunked op with the cached state as initial state.
+`forward` branches on `batch.mode`: DECODE (one new token per sequence on a cache) is the decode step (`kda_step`,
+the released code's fused recurrent path); VERIFY runs G decode steps on a copy of the state and hands the cache
+their inputs instead of a new state (`kda_verify`; the engine folds the accepted prefix); FULL and EXTEND run the
+packed conv and the chunked op from the entering state.
+
+What crosses a sequence boundary goes through a hand-off object: the conv tails and the entering state in, the
+leaving ones out. `CacheHandOff` reads and writes the cache entry; context parallelism (parallel/cp.py) supplies
+one through `batch.context_parallel` that exchanges conv halos and state summaries with the neighbouring shards.
 
 Legend: T packed tokens, N sequences, L padded length, H heads, K = V head dim, P = H*K, D hidden, W conv width.
 """
@@ -20,11 +26,11 @@ import torch
 from torch import nn
 
 from openk3.config import K3TextConfig
-from openk3.model.batch import ForwardBatch
-from openk3.model.cache import KDAState, VerifyStep
+from openk3.model.batch import ForwardBatch, Mode
+from openk3.model.cache import KDAState
 from openk3.model.layers import ShortConvolution
-from openk3.ops.conv import short_conv, short_conv_few
-from openk3.ops.dispatch import kda_chunked, kda_step  # CPU fast path, or fla-core kernels on CUDA
+from openk3.ops.conv import short_conv, short_conv_few, short_conv_varlen
+from openk3.ops.dispatch import kda_chunked, kda_step, kda_verify  # CPU fast path, or fla-core kernels on CUDA
 from openk3.ops.kda import kda_gate
 from openk3.ops.norm import gated_rms_norm, l2_norm
 from openk3.utils import fp32_region
@@ -53,37 +59,6 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.empty(K))  # one gated-RMSNorm weight shared by every head
         self.o_proj = nn.Linear(P, D, bias=False)
-        # Swap point for context parallelism (parallel/cp.py): a callable (layer, x_TD, batch) -> out_TD that runs this
-        # layer on one rank's contiguous shard of each sequence, from the layer's own pieces below.
-        self.context_parallel = None
-
-    def _conv(self, x_TP: torch.Tensor, conv: ShortConvolution, tail: torch.Tensor | None, batch: ForwardBatch):
-        """Conv over each sequence (restarting at its start or continuing from its cached tail)."""
-        if batch.is_decode or batch.verify:  # a few real tokens per sequence on a cached tail
-            y_NLP, new_tail = short_conv_few(batch.to_padded(x_TP), conv.weight, tail)
-            return batch.to_packed(y_NLP), new_tail
-        lengths_N = torch.tensor(batch.seq_lens, device=x_TP.device)
-        y_NLP, new_tail = short_conv(batch.to_padded(x_TP), conv.weight, tail, lengths_N)
-        return batch.to_packed(y_NLP), new_tail
-
-    @staticmethod
-    def _delta_rule(q_THK, k_THK, v_THV, g_THK, beta_TH, state, batch: ForwardBatch, act_dtype: torch.dtype):
-        if batch.is_decode:
-            return kda_step(q_THK, k_THK, v_THV, g_THK, beta_TH, state)
-        # The released chunk path stores q^, k^ in the activation dtype before the kernel (spec/model.md §5).
-        q_THK, k_THK = q_THK.to(act_dtype), k_THK.to(act_dtype)
-        if batch.uniform:
-            o_NLHV, final = kda_chunked(
-                batch.to_padded(q_THK), batch.to_padded(k_THK), batch.to_padded(v_THV), batch.to_padded(g_THK),
-                batch.to_padded(beta_TH), initial_state=state, output_final_state=state is not None,
-            )  # fmt: skip
-            return batch.to_packed(o_NLHV), final
-        # Ragged sequences run packed (cu_seqlens), so a long prefill chunk next to decode tokens costs no padding.
-        o_1THV, final = kda_chunked(
-            q_THK[None], k_THK[None], v_THV[None], g_THK[None], beta_TH[None], initial_state=state,
-            output_final_state=state is not None, cu_seqlens=batch.cu_seqlens.to(q_THK.device),
-        )  # fmt: skip
-        return o_1THV[0], final
 
     def _projections(self, x_TD: torch.Tensor):
         """The per-token inputs of the conv and the delta rule: pre-conv q, k, v [T, P]; g [T, H, K]; beta [T, H]."""
@@ -99,44 +74,84 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(o_THV.reshape(T, H * K))
 
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: KDAState | None = None) -> torch.Tensor:
-        if self.context_parallel is not None:
-            return self.context_parallel(self, x_TD, batch)
-        if batch.verify:
-            return self._verify(x_TD, batch, cache)
+        mode = batch.mode
         T, H, K = x_TD.shape[0], self.num_heads, self.head_dim
-        tails, state = cache.load() if cache is not None else ((None,) * 3, None)
-        (q0, k0, v0), g_THK, beta_TH = self._projections(x_TD)
-        q1, q_tail = self._conv(q0, self.q_conv1d, tails[0], batch)
-        k1, k_tail = self._conv(k0, self.k_conv1d, tails[1], batch)
-        v1, v_tail = self._conv(v0, self.v_conv1d, tails[2], batch)
-        q_THK, k_THK = l2_norm(q1.view(T, H, K)), l2_norm(k1.view(T, H, K))
-        with fp32_region():  # the delta rule and its state are fp32 whatever autocast says
-            o_THV, final = self._delta_rule(q_THK, k_THK, v1.view(T, H, K), g_THK, beta_TH, state, batch, x_TD.dtype)
-        if cache is not None:
-            cache.store((q_tail, k_tail, v_tail), final)
-        return self._output(o_THV, x_TD)
-
-    def _verify(self, x_TD: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
-        """Speculative verification: N sequences of G = 1 + drafts tokens each. Projections, convs and norms run
-        batched over the N*G rows; the delta rule runs G decode steps (`kda_step`, fp32 q^ and k^ as in decode) on a
-        register copy of the state. Each step's inputs go to `cache.record`, and nothing is written to the cache:
-        the engine folds the accepted prefix from the records with the same `kda_step` (spec/serving.md §4.2)."""
-        N, G, H, K = batch.num_seqs, batch.max_len, self.num_heads, self.head_dim
-        assert batch.uniform and cache is not None, "verify needs equal draft lengths and a cache"
-        tails, state = cache.load()
+        if batch.context_parallel is not None:
+            handoff = batch.context_parallel.kda_handoff(batch)
+        else:
+            handoff = CacheHandOff(cache)
         pre, g_THK, beta_TH = self._projections(x_TD)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        q1, k1, v1 = (self._conv(x, c, tail, batch)[0] for x, c, tail in zip(pre, convs, tails))
-        # Position-major contiguous copies: each step's [N, ...] operands are then contiguous blocks, as in decode.
-        q_GNHK, k_GNHK = (l2_norm(x.view(N, G, H, K)).transpose(0, 1).contiguous() for x in (q1, k1))
-        v_GNHV, g_GNHK, beta_GNH, *pre_GNP = (
-            x.view(N, G, *x.shape[1:]).transpose(0, 1).contiguous() for x in (v1.view(-1, H, K), g_THK, beta_TH, *pre)
+        tails = handoff.conv_tails(pre, self.q_conv1d.weight.shape[-1])
+        if mode is Mode.DECODE or mode is Mode.VERIFY:  # a few real tokens per sequence on a cached tail
+            N, G = batch.num_seqs, batch.max_len
+            outs = [short_conv_few(x.view(N, G, -1), c.weight, tail) for x, c, tail in zip(pre, convs, tails)]
+            q1, k1, v1 = (y.view(T, -1) for y, _ in outs)
+        elif mode is Mode.EXTEND:  # packed sequences of any lengths: a long chunk beside decodes costs no padding
+            outs = [short_conv_varlen(x, c.weight, batch.cu_seqlens, tail) for x, c, tail in zip(pre, convs, tails)]
+            q1, k1, v1 = (y for y, _ in outs)
+        else:
+            # FULL (training): right-padded rows. The packed form gives bitwise the same outputs, but its weight
+            # gradient reduces in another order, and the fixed-seed training loss is pinned to this one.
+            lengths_N = torch.tensor(batch.seq_lens, device=x_TD.device)
+            outs = [short_conv(batch.to_padded(x), c.weight, tail, lengths_N) for x, c, tail in zip(pre, convs, tails)]
+            q1, k1, v1 = (batch.to_packed(y) for y, _ in outs)
+        new_tails = tuple(tail for _, tail in outs)
+        q_THK, k_THK, v_THV = l2_norm(q1.view(T, H, K)), l2_norm(k1.view(T, H, K)), v1.view(T, H, K)
+        with fp32_region():  # the delta rule and its state are fp32 whatever autocast says
+            if mode is Mode.VERIFY:
+                # G decode steps (fp32 q^, k^ as in decode) on a copy of the state; nothing is written. The cache
+                # keeps each step's inputs and the pre-conv rows, from which the engine folds the accepted prefix.
+                N, G = batch.num_seqs, batch.max_len
+                o_NGHV, steps = kda_verify(
+                    *(x.view(N, G, *x.shape[1:]) for x in (q_THK, k_THK, v_THV, g_THK, beta_TH)),
+                    handoff.initial_state(),
+                )  # fmt: skip
+                cache.record(steps, tuple(x.view(N, G, -1) for x in pre))
+                return self._output(o_NGHV.reshape(T, H, K), x_TD)
+            if mode is Mode.DECODE:
+                o_THV, final = kda_step(q_THK, k_THK, v_THV, g_THK, beta_TH, handoff.initial_state())
+            else:
+                # The released chunk path stores q^, k^ in the activation dtype before the kernel (spec/model.md §5).
+                q_THK, k_THK = q_THK.to(x_TD.dtype), k_THK.to(x_TD.dtype)
+                state = handoff.initial_state(q_THK, k_THK, v_THV, g_THK, beta_TH)
+                o_THV, final = self._chunked(q_THK, k_THK, v_THV, g_THK, beta_TH, state, batch)
+        handoff.store(new_tails, final)
+        return self._output(o_THV, x_TD)
+
+    @staticmethod
+    def _chunked(q_THK, k_THK, v_THV, g_THK, beta_TH, state, batch: ForwardBatch):
+        if batch.uniform:
+            o_NLHV, final = kda_chunked(
+                batch.to_padded(q_THK), batch.to_padded(k_THK), batch.to_padded(v_THV), batch.to_padded(g_THK),
+                batch.to_padded(beta_TH), initial_state=state, output_final_state=state is not None,
+            )  # fmt: skip
+            return batch.to_packed(o_NLHV), final
+        # Ragged sequences run packed (cu_seqlens), so a long prefill chunk next to decode tokens costs no padding.
+        o_1THV, final = kda_chunked(
+            q_THK[None], k_THK[None], v_THV[None], g_THK[None], beta_TH[None], initial_state=state,
+            output_final_state=state is not None, cu_seqlens=batch.cu_seqlens.to(q_THK.device),
         )  # fmt: skip
-        outs = []
-        with fp32_region():
-            for t in range(G):
-                step = VerifyStep(q_GNHK[t], k_GNHK[t], v_GNHV[t], g_GNHK[t], beta_GNH[t], [x[t] for x in pre_GNP])
-                o_NHV, state = kda_step(step.q_NHK, step.k_NHK, step.v_NHV, step.g_NHK, step.beta_NH, state)
-                cache.record(step)
-                outs.append(o_NHV)
-        return self._output(torch.stack(outs, 1).view(N * G, H, K), x_TD)
+        return o_1THV[0], final
+
+
+class CacheHandOff:
+    """The KDA hand-off on one process: tails and state from the cache entry (zeros without one) and back into
+    it. `parallel/cp.py` builds the context-parallel hand-off with the same three methods."""
+
+    def __init__(self, cache: KDAState | None):
+        self.cache = cache
+        self.tails, self.state = cache.load() if cache is not None else ((None,) * 3, None)
+
+    def conv_tails(self, pre_TP, width: int):
+        """The [N, W-1, P] pre-conv rows before each sequence, for q, k and v (None: zeros)."""
+        return self.tails
+
+    def initial_state(self, *chunk_inputs) -> torch.Tensor | None:
+        """The [N, H, K, V] fp32 state each sequence enters with (None: zeros). The chunk path passes its inputs
+        (q^, k^, v, g, beta): the context-parallel hand-off summarises its shard from them."""
+        return self.state
+
+    def store(self, tails, state_NHKV: torch.Tensor | None) -> None:
+        if self.cache is not None:
+            self.cache.store(tails, state_NHKV)

@@ -7,27 +7,75 @@
     out  = o_proj( flatten(softmax(q k^T * (nope + rope)^-0.5, causal) v) * sigmoid(g_proj(x)) )
 
 No rotary is applied anywhere: the "rope" dims are ordinary unrotated dims. The cache keeps the latent [c_n ; k_pe]
-per token (model/cache.py). Prefill and training expand the latents with kv_b_proj; a decode step (one new token per
-sequence on a cache) uses the absorbed form, whose cost does not include expanding every cached latent.
+per token (model/cache.py).
 
-Legend: T packed tokens, N sequences, L padded length, S cached + new tokens, H heads, R = kv_lora_rank + rope,
-Dqk = nope + rope, Dv value head dim, D hidden.
+One forward for every mode. The layer computes queries and new latents, then asks the hand-off for the context
+latents its queries attend over (`MLAContext`: which tokens, which latents, which mask): the batch's own latents
+(full), the all-gathered shard latents with the global document mask under context parallelism (parallel/cp.py),
+or the cache's past + new latents (extend, verify). The context is expanded with kv_b_proj and attended once per
+context. A decode step (one new token per sequence on a cache) instead uses the absorbed form over the batched
+block-table view of the cache (ops/attention/mla.py), which never expands cached latents.
+
+Legend: T packed tokens, N sequences, B rows of one context, L queries per row, S context positions, H heads,
+R = kv_lora_rank + rope, Dqk = nope + rope, Dv value head dim, D hidden.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from openk3.config import K3TextConfig
-from openk3.model.batch import ForwardBatch
+from openk3.model.batch import ForwardBatch, Mode
 from openk3.model.cache import MLACache
 from openk3.model.layers import RMSNorm
+from openk3.ops.attention.mla import absorbed_weights, mla_decode
 from openk3.ops.attention.ref import causal_attention
-from openk3.utils import fp32_op
 
 # q_a_layernorm and kv_a_layernorm are built without an eps argument in the released code (class default 1e-6).
 MLA_LORA_NORM_EPS = 1e-6
+
+
+@dataclass
+class MLAContext:
+    """What one group of queries attends over (the MLA hand-off): the packed tokens `tokens` (a contiguous range,
+    read as B rows of L queries), the latents of their S context positions, and which positions each query sees
+    (True = attend; None: causal, the L queries being the last L of the S positions). Latents a mask hides must
+    be finite: zeros or a copy of a real position, never unwritten cache memory."""
+
+    tokens: slice
+    latent_BSR: torch.Tensor
+    mask_BLS: torch.Tensor | None = None
+
+
+def own_contexts(latent_TR: torch.Tensor, batch: ForwardBatch) -> list[MLAContext]:
+    """The hand-off without a cache or context parallelism: every sequence attends over its own new latents."""
+    T = latent_TR.shape[0]
+    if batch.row_len is not None:
+        # Packed training rows: attend per row, masked to each token's own document.
+        seg_RL = batch.segment_ids(latent_TR.device)
+        L = batch.row_len
+        causal_LL = torch.ones(L, L, dtype=torch.bool, device=latent_TR.device).tril()
+        mask = (seg_RL[:, :, None] == seg_RL[:, None, :]) & causal_LL
+        return [MLAContext(slice(0, T), latent_TR.view(-1, L, latent_TR.shape[-1]), mask)]
+    if batch.uniform:
+        # Whole equal-length sequences (training, plain prefill): one batched causal attention.
+        return [MLAContext(slice(0, T), batch.to_padded(latent_TR))]
+    # Ragged sequences run one by one rather than padded to the longest.
+    bounds = batch.cu_seqlens.tolist()
+    return [MLAContext(slice(a, b), latent_TR[a:b][None]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def cached_contexts(cache: MLACache, latent_TR: torch.Tensor, batch: ForwardBatch) -> list[MLAContext]:
+    """The hand-off on a cache (extend, verify): the new latents are written first, then each sequence attends over
+    everything it has written (past + new). Per sequence: batching ragged chunks would pad every query row and
+    every context to the longest of the batch (tiny preset, CPU: a 512-token chunk beside 15 decodes took 88 ms per
+    sequence and 618 ms padded; even an equal-length verify batch was 12 ms vs 33 ms, the padded contexts)."""
+    cache.append(latent_TR, batch.seq_lens)
+    bounds = batch.cu_seqlens.tolist()
+    return [MLAContext(slice(a, b), cache.past(i)[None]) for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
 
 
 class GatedMLA(nn.Module):
@@ -46,8 +94,7 @@ class GatedMLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
         self.g_proj = nn.Linear(D, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
-        # Swap point for context parallelism (parallel/cp.py): (layer, x_TD, batch) -> out_TD on one rank's shard.
-        self.context_parallel = None
+        self._absorbed: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def latent(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The cached per-token latent [c_n ; k_pe], [T, R]."""
@@ -62,52 +109,38 @@ class GatedMLA(nn.Module):
         k_pe = k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope)
         return torch.cat([k_nope, k_pe], dim=-1), v
 
-    @fp32_op
-    def _decode_absorbed(self, q_HD: torch.Tensor, cache, i: int, new_1R: torch.Tensor) -> torch.Tensor:
-        """One decode token of sequence i in the absorbed form (spec/serving.md §1.1): the query moves into latent
-        space once, q_lat = W_uk^T q_nope, so the cached latents are never expanded to per-head keys and values.
-        Both passes over the cache are single GEMMs on the contiguous [S, R] latents (scores against [q_lat; q_pe],
-        then p @ latents, keeping the c_n columns), so a step costs two reads of the cache. fp32 math, [1, H, Dv]."""
-        cache.append(i, new_1R)
-        latent_SR = cache.past(i).float()
-        w_HXR = self.kv_b_proj.weight.float().view(self.num_heads, self.nope + self.v_dim, self.kv_rank)
-        q_nope_H, q_pe_H = q_HD.float().split([self.nope, self.rope], dim=-1)
-        q_lat_HR = torch.einsum("hn,hnr->hr", q_nope_H, w_HXR[:, : self.nope])
-        # [H, R] @ [R, S], not latent @ q: CPU BLAS handles the skinny product several times faster this way.
-        scores_HS = (torch.cat([q_lat_HR, q_pe_H], dim=-1) * self.scale) @ latent_SR.T
-        o_lat_HR = (torch.softmax(scores_HS, dim=-1) @ latent_SR)[:, : self.kv_rank]
-        return torch.einsum("hr,hvr->hv", o_lat_HR, w_HXR[:, self.nope :]).to(q_HD.dtype)[None]
+    def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 W_uk [H, nope, r] and W_uv [H, Dv, r] of the current kv_b_proj weight, computed once per weight
+        version: the key is the parameter's identity, storage, dtype and in-place version counter, so an optimizer
+        step, a weight sync, `load_state_dict` or `.to()` recomputes them. Detached: decode is inference only."""
+        w = self.kv_b_proj.weight
+        if w.is_inference():  # no version counter to key on: recompute every step
+            return absorbed_weights(w, self.num_heads, self.nope)
+        key = (id(w), w.data_ptr(), w.dtype, w.device, w._version)
+        if self._absorbed is None or self._absorbed[0] != key:
+            with torch.inference_mode(False):  # a normal tensor, usable in any later mode
+                self._absorbed = (key, absorbed_weights(w, self.num_heads, self.nope))
+        return self._absorbed[1]
 
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: MLACache | None = None) -> torch.Tensor:
-        if self.context_parallel is not None:
-            return self.context_parallel(self, x_TD, batch)
-        T = x_TD.shape[0]
         q_THD = self.queries(x_TD)
         latent_TR = self.latent(x_TD)
-        if cache is None and batch.uniform:
-            # Whole equal-length sequences (training, plain prefill): one batched causal attention.
-            k, v = self.expand(batch.to_padded(latent_TR))
-            attn = causal_attention(batch.to_padded(q_THD), k, v, self.scale)
-            attn_THV = batch.to_packed(attn)
-        elif cache is None and batch.row_len is not None:
-            # Packed training rows: attend per row, masked to each token's own document.
-            L = batch.row_len
-            k, v = self.expand(latent_TR.view(-1, L, latent_TR.shape[-1]))
-            attn = causal_attention(q_THD.view(-1, L, *q_THD.shape[1:]), k, v, self.scale, batch.segment_ids(x_TD.device))
-            attn_THV = attn.reshape(T, *attn.shape[2:])
-        elif batch.is_decode:
-            attn_THV = torch.cat([self._decode_absorbed(q_THD[i], cache, i, latent_TR[i : i + 1]) for i in range(T)])
-        else:
-            outs = []
-            for i, (start, end) in enumerate(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())):
-                full_SR = latent_TR[start:end]
-                if cache is not None:
-                    full_SR = torch.cat([cache.past(i), full_SR], dim=0)
-                    cache.append(i, latent_TR[start:end])
-                k, v = self.expand(full_SR)
-                outs.append(causal_attention(q_THD[start:end], k, v, self.scale))
-            attn_THV = torch.cat(outs, dim=0)
-        return self.output(attn_THV, x_TD)
+        if batch.mode is Mode.DECODE:
+            # Absorbed form over the batched block-table view (spec/serving.md §1.1): no cached latent is expanded.
+            cache.append(latent_TR, batch.seq_lens)
+            latent_NSR, len_N = cache.block()
+            return self.output(mla_decode(q_THD, latent_NSR, len_N, *self.absorbed(), self.scale), x_TD)
+        if batch.mode is Mode.FULL:
+            cp = batch.context_parallel
+            contexts = own_contexts(latent_TR, batch) if cp is None else cp.mla_contexts(latent_TR, batch)
+        else:  # EXTEND, VERIFY
+            contexts = cached_contexts(cache, latent_TR, batch)
+        outs = []
+        for ctx in contexts:
+            q_BLHD = q_THD[ctx.tokens].unflatten(0, (ctx.latent_BSR.shape[0], -1))
+            k, v = self.expand(ctx.latent_BSR)
+            outs.append(causal_attention(q_BLHD, k, v, self.scale, ctx.mask_BLS).flatten(0, 1))
+        return self.output(torch.cat(outs) if len(outs) > 1 else outs[0], x_TD)
 
     def queries(self, x_TD: torch.Tensor) -> torch.Tensor:
         """[T, H, nope + rope]."""

@@ -1,12 +1,8 @@
 """K3ForCausalLM: embed -> decoder layers (KDA or MLA mixer, dense or MoE FFN, Block AttnRes between them) ->
 output AttnRes mix -> norm -> untied LM head (spec/model.md §3).
 
-Block Attention Residuals (spec/model.md §4): there is no plain residual stream. Per layer l (block size B):
-    h  = Mix(P, bank; self_attention_res_*) if bank else P       (only layer 0 sees an empty bank)
-    if l % B == 0: bank.append(P)                                (AFTER the mix: the incoming P, a finished block)
-    P  = a if l % B == 0 else P + a                              (a = mixer output; a block restarts the partial)
-    h2 = Mix(P, bank; mlp_res_*);   P = P + FFN(h2)
-and after the last layer Mix(P, bank; output_attn_res_*) feeds the final norm.
+Block Attention Residuals (spec/model.md §4) replace the residual stream: each layer mixes a bank of finished
+blocks with the current block's partial sum before its mixer and its FFN (the rule is in model/attnres.py).
 
 Construction is cheap and works under `torch.device("meta")`; `init_weights()` is the one place that sets values
 (the training recipe), `init_random_weights()` fills every tensor with non-trivial values for tests, and
@@ -24,6 +20,7 @@ import torch
 from torch import nn
 
 from openk3.config import K3Config
+from openk3.model import attnres
 from openk3.model.batch import ForwardBatch
 from openk3.model.cache import K3Cache
 from openk3.model.hf import load_pretrained, save_pretrained
@@ -31,7 +28,6 @@ from openk3.model.kda import KimiDeltaAttention
 from openk3.model.layers import DenseMLP, RMSNorm
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import StableLatentMoE
-from openk3.ops.attnres import attn_res_mix
 from openk3.ops.sampling import sample
 
 # Parameters the release stores (and every precision policy keeps) in fp32 (spec/model.md §11).
@@ -62,20 +58,15 @@ class K3DecoderLayer(nn.Module):
         else:
             self.block_sparse_moe = StableLatentMoE(text)
 
-    @staticmethod
-    def _mix(bank, partial, norm: RMSNorm, proj: nn.Linear):
-        return attn_res_mix(bank, partial, norm.weight, proj.weight, norm.eps)
-
     def forward(self, partial_TD: torch.Tensor, bank: list[torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         """One layer; `bank` is read, never mutated (K3Model appends the finished block after the call): wrappers
         such as FSDP2 may hand the layer a copy of its arguments."""
-        h = self._mix(bank, partial_TD, self.self_attention_res_norm, self.self_attention_res_proj) if bank else partial_TD
-        if self.block_start:
-            bank = [*bank, partial_TD]
+        h = attnres.mix(bank, partial_TD, self.self_attention_res_norm, self.self_attention_res_proj)
+        bank = attnres.close_block(bank, partial_TD, self.block_start)
         cache = batch.cache.layers[self.layer_idx] if batch.cache is not None else None
         a = self.self_attn(self.input_layernorm(h), batch, cache)
-        partial_TD = a if self.block_start else partial_TD + a
-        h2 = self._mix(bank, partial_TD, self.mlp_res_norm, self.mlp_res_proj)
+        partial_TD = attnres.add_to_partial(partial_TD, a, self.block_start)
+        h2 = attnres.mix(bank, partial_TD, self.mlp_res_norm, self.mlp_res_proj)
         ffn = self.mlp if hasattr(self, "mlp") else self.block_sparse_moe
         return partial_TD + ffn(self.post_attention_layernorm(h2))
 
@@ -96,12 +87,9 @@ class K3Model(nn.Module):
         bank: list[torch.Tensor] = []
         for layer in self.layers:
             out_TD = layer(partial_TD, bank, batch)
-            if layer.block_start:
-                bank.append(partial_TD)  # the incoming partial sum: a finished block
+            bank = attnres.close_block(bank, partial_TD, layer.block_start)  # as the layer did inside
             partial_TD = out_TD
-        y = attn_res_mix(bank, partial_TD, self.output_attn_res_norm.weight, self.output_attn_res_proj.weight,
-                         self.output_attn_res_norm.eps)  # fmt: skip
-        return self.norm(y)
+        return self.norm(attnres.mix(bank, partial_TD, self.output_attn_res_norm, self.output_attn_res_proj))
 
 
 class K3ForCausalLM(nn.Module):
@@ -188,6 +176,16 @@ class K3ForCausalLM(nn.Module):
         return self
 
     # ---- forward ---------------------------------------------------------------------------------------------
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+        """The final-norm hidden states [T, D] of the packed tokens of `batch`, before the LM head (the serving
+        runner then takes `logits` of the rows it samples; the caller owns the cache's bookkeeping)."""
+        return self.model(batch)
+
+    def logits(self, hidden_TD: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [R, V] of the hidden rows `rows_R` only: a step samples a few rows, and the head is
+        the largest matmul of a decode step."""
+        return self.lm_head(hidden_TD.index_select(0, rows_R))
+
     def forward_batch(self, batch: ForwardBatch) -> torch.Tensor:
         """Packed forward: logits [T, V] for the packed tokens of `batch` (updates `batch.cache` in place)."""
         if batch.cache is not None and batch.cache.num_seqs != batch.num_seqs:

@@ -1,9 +1,10 @@
 """The one dispatch point for ops with more than one implementation (STYLE.md rule 9).
 
-Owns `select`, `use_impl` and the dispatched entry points `kda_chunked` / `kda_step`. "ref" is the always-present
-CPU path (`ops.kda.chunk.kda_chunked`, the fast chunked op, and `ops.kda.step.kda_step`); "fla" is fla-core's
-Triton kernels (`ops.kda.gpu`), chosen for CUDA tensors when fla-core and triton are installed; "bf16" (opt-in,
-never chosen automatically) runs `ops.kda.chunk_bf16.kda_chunked_bf16`, the CPU op with bf16 tile operands, for
+Owns `select`, `use_impl` and the dispatched entry points `kda_chunked` / `kda_step` (and `kda_verify` /
+`kda_fold`, which run the dispatched `kda_step`, so a fold replays with the implementation its verify used).
+"ref" is the always-present CPU path (`ops.kda.chunk.kda_chunked`, the fast chunked op, and
+`ops.kda.step.kda_step`); "fla" is fla-core's Triton kernels (`ops.kda.gpu`), chosen for CUDA tensors when fla-core
+and triton are installed; "bf16" (opt-in, never chosen automatically) runs `ops.kda.chunk_bf16.kda_chunked_bf16`, the CPU op with bf16 tile operands, for
 bf16 inputs and "ref" for any other dtype. Nothing in `model/` checks devices; tests, benchmarks and users force
 an implementation with `use_impl`, e.g. `with use_impl("kda_chunked", "bf16"): model(...)` for a bf16 model on CPU.
 """
@@ -16,6 +17,8 @@ import torch
 from openk3.ops.kda import gpu
 from openk3.ops.kda.chunk import kda_chunked as kda_chunked_cpu
 from openk3.ops.kda.chunk_bf16 import kda_chunked_bf16
+from openk3.ops.kda import step
+from openk3.ops.kda.step import KDASteps
 from openk3.ops.kda.step import kda_step as kda_step_cpu
 
 
@@ -64,3 +67,13 @@ def kda_chunked(q: torch.Tensor, *args, **kwargs):
 def kda_step(q: torch.Tensor, *args, **kwargs):
     """One decode token on a state (contract of `ops.kda.kda_step`)."""
     return IMPLS["kda_step"][select("kda_step", q.device)](q, *args, **kwargs)
+
+
+def kda_verify(q_NGHK: torch.Tensor, *args) -> tuple[torch.Tensor, KDASteps]:
+    """G decode steps per sequence without writing the state (contract of `ops.kda.step.kda_verify`)."""
+    return step.kda_verify(q_NGHK, *args, step=IMPLS["kda_step"][select("kda_step", q_NGHK.device)])
+
+
+def kda_fold(steps: KDASteps, state_NHKV: torch.Tensor, consumed_N: torch.Tensor) -> torch.Tensor:
+    """Replay recorded verify steps onto a state (contract of `ops.kda.step.kda_fold`)."""
+    return step.kda_fold(steps, state_NHKV, consumed_N, step=IMPLS["kda_step"][select("kda_step", state_NHKV.device)])

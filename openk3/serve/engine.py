@@ -5,9 +5,13 @@
     outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
     outs[0].outputs[0].text, outs[0].outputs[0].token_ids
 
-Each step runs one forward over the scheduled prefill chunks and plain decodes, plus one verify forward per draft
-length when speculating. Sampling uses a per-request generator (seeded from `SamplingParams.seed` and the sample
-index), so a request's tokens do not depend on what it was batched with.
+Each step asks the proposer for drafts (when speculating), schedules, then runs one forward over the scheduled
+prefill chunks and plain decodes, plus one verify forward per draft length. The sampled rows of a forward are drawn
+in one batched call (`ops.sampling.sample_rows`), each row from its request's generator (seeded from
+`SamplingParams.seed` and the sample index), so a request's tokens do not depend on what it was batched with. Output
+text grows incrementally per sample (`serve/detokenizer.py`), stop strings are searched in the new text only.
+
+Legend: N sampled rows, G tokens per verified request (1 + drafts), V vocabulary.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import torch.nn.functional as F
 
 from openk3.data.chat import check_text
 from openk3.data.tokenizer import ByteTokenizer, load_tokenizer
+from openk3.model.cache import cache_specs
 from openk3.model.model import K3ForCausalLM
-from openk3.ops.sampling import sampling_probs
+from openk3.ops.sampling import GREEDY_BELOW, sample_rows, sampling_probs_rows
 from openk3.serve.config import ServeConfig
+from openk3.serve.detokenizer import IncrementalDetokenizer
 from openk3.serve.kv.manager import KVCacheManager
 from openk3.serve.request import CompletionOutput, Request, RequestOutput, SamplingParams, Status
 from openk3.serve.runner import ModelRunner
@@ -49,14 +55,38 @@ class SpecStats:
 NON_FINITE = "the model produced non-finite logits (NaN or inf) for this request"
 
 
-def _finite(logits_GV: torch.Tensor) -> bool:
-    """Whether rows can be sampled from: a NaN or inf logit (a broken checkpoint, an overflow) has no distribution."""
-    return bool(torch.isfinite(logits_GV).all())
+def _finite_rows(logits_NV: torch.Tensor) -> list[bool]:
+    """Which rows can be sampled from: a NaN or inf logit (a broken checkpoint, an overflow) has no distribution."""
+    return torch.isfinite(logits_NV).all(-1).tolist()
 
 
-def _probs_fn(params: SamplingParams):
-    """A row's sampling distribution (None for greedy), the filters of `ops.sampling.sample`."""
-    return lambda row_V: sampling_probs(row_V, params.temperature, params.top_k, params.top_p)
+def _sample(reqs: list[Request], logits_NV: torch.Tensor) -> list[int | None]:
+    """One token per row, row n for request n (None where the row is not finite), in one batched call."""
+    finite = _finite_rows(logits_NV)
+    keep = [n for n, ok in enumerate(finite) if ok]
+    tokens: list[int | None] = [None] * len(reqs)
+    if keep:
+        params = [reqs[n].params for n in keep]
+        drawn = sample_rows(logits_NV[keep], [p.temperature for p in params], [p.top_k for p in params],
+                            [p.top_p for p in params], [reqs[n].generator for n in keep]).tolist()  # fmt: skip
+        for n, tok in zip(keep, drawn):
+            tokens[n] = tok
+    return tokens
+
+
+def _verify_probs(reqs: list[Request], logits_NGV: torch.Tensor, finite: list[bool]) -> list[torch.Tensor | None]:
+    """Each verified request's sampling distributions [G, V] (None for greedy and non-finite requests), the sampled
+    requests' rows in one batched call."""
+    sampled = [n for n, req in enumerate(reqs) if finite[n] and req.params.temperature >= GREEDY_BELOW]
+    out: list[torch.Tensor | None] = [None] * len(reqs)
+    if sampled:
+        G = logits_NGV.shape[1]
+        params = [reqs[n].params for n in sampled for _ in range(G)]
+        probs = sampling_probs_rows(logits_NGV[sampled].flatten(0, 1), [p.temperature for p in params],
+                                    [p.top_k for p in params], [p.top_p for p in params])  # fmt: skip
+        for i, n in enumerate(sampled):
+            out[n] = probs[i * G : (i + 1) * G]
+    return out
 
 
 class LLMEngine:
@@ -64,10 +94,9 @@ class LLMEngine:
         self.model = model.eval()
         text = model.text_config
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer(text.vocab_size)
-        latent_width = text.kv_lora_rank + text.qk_rope_head_dim
-        num_mla = sum(text.layer_kind(i) == "mla" for i in range(text.num_hidden_layers))
         config = config or ServeConfig()
-        page_bytes = num_mla * latent_width * config.block_size * model.lm_head.weight.element_size()
+        # One MLA page holds block_size tokens of every MLA layer's latent (the same CacheSpecs the pools use).
+        page_bytes = config.block_size * sum(s.bytes_per_token for s in cache_specs(text, model.lm_head.weight.dtype))
         self.config = config.resolve(text.max_position_embeddings, page_bytes)
         p = model.lm_head.weight
         self.manager = KVCacheManager(text, self.config, p.dtype, p.device)
@@ -111,7 +140,7 @@ class LLMEngine:
             return AdaptiveProposer(NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min))
         draft = spec.model
         if isinstance(draft, (str, os.PathLike)):
-            draft = K3ForCausalLM.from_pretrained(draft, dtype=self.model.lm_head.weight.dtype)
+            draft = K3ForCausalLM.from_pretrained(draft, dtype=next(self.model.parameters()).dtype)
         return AdaptiveProposer(DraftModelProposer(draft.eval(), self.model.text_config.vocab_size))
 
     # ---- requests --------------------------------------------------------------------------------------------
@@ -144,7 +173,8 @@ class LLMEngine:
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
-            req = Request(request_id, ids, params, index=i, arrival=self.step_count, generator=gen)
+            req = Request(request_id, ids, params, index=i, arrival=self.step_count, generator=gen,
+                          detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))  # fmt: skip
             reqs.append(req)
             self.scheduler.add(req)
         self.requests[request_id] = reqs
@@ -171,7 +201,7 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the current output of every request that produced tokens or finished."""
-        plan = self.scheduler.schedule(self.proposer)
+        plan = self.scheduler.schedule(self._propose())
         if plan.num_tokens == 0 and self.scheduler.waiting and not self.scheduler.running:
             # Cannot happen with a resolved config (it holds one max_model_len request); never spin silently.
             raise RuntimeError("the engine is idle but cannot admit the next request: the cache pool is too small")
@@ -188,13 +218,22 @@ class LLMEngine:
         self.step_count += 1
         return [self._output(rid) for rid in touched if rid in self.requests]
 
+    def _propose(self) -> dict[int, list[int]]:
+        """Drafts for every decoding request (id(req) -> tokens), each within the room the scheduler leaves it;
+        the scheduler cuts them further to the step's token budget."""
+        if self.proposer is None:
+            return {}
+        rooms = ((req, self.scheduler.draft_room(req)) for req in self.scheduler.running)
+        return {id(req): self.proposer(req, room) for req, room in rooms if room > 0}
+
     def _run(self, plan, touched: dict[str, None]) -> None:
         if plan.chunks:
             reqs = [c.req for c in plan.chunks]
-            ids = [c.req.tokens[c.req.num_computed : c.req.num_computed + c.num_tokens] for c in plan.chunks]
+            ids = [c.req.token_range(c.req.num_computed, c.req.num_computed + c.num_tokens) for c in plan.chunks]
             samples = [c.req.num_computed + c.num_tokens == c.req.num_tokens for c in plan.chunks]
             rows = [[len(x) - 1] if s else [] for x, s in zip(ids, samples)]
             logits, _ = self.runner.run(reqs, ids, rows)
+            tokens = _sample([r for r, s in zip(reqs, samples) if s], logits)
             row = 0
             for chunk, sampled in zip(plan.chunks, samples):
                 req = chunk.req
@@ -204,8 +243,8 @@ class LLMEngine:
                 req.num_computed += chunk.num_tokens
                 self.manager.commit(req)
                 if sampled:
-                    if _finite(logits[row : row + 1]):
-                        self._emit(req, [self._sample(req, logits[row])], logits[row : row + 1])
+                    if tokens[row] is not None:
+                        self._emit(req, [tokens[row]], logits[row : row + 1])
                     else:
                         self._fail(req, NON_FINITE)
                     row += 1
@@ -219,17 +258,20 @@ class LLMEngine:
         if not group:
             return
         reqs = [req for req, _ in group]
-        ids = [[req.tokens[-1], *drafts] for req, drafts in group]
+        ids = [[*req.token_range(req.num_tokens - 1, req.num_tokens), *drafts] for req, drafts in group]
         rows = [list(range(len(x))) for x in ids]
         logits, records = self.runner.run(reqs, ids, rows, verify=True)
         G = len(ids[0])
+        logits_NGV = logits.view(len(group), G, -1)
+        finite = _finite_rows(logits_NGV.flatten(1))  # per request: all G rows
+        probs = _verify_probs([req for req, _ in group], logits_NGV, finite)
         emitted = []
         for n, (req, drafts) in enumerate(group):
-            block = logits[n * G : (n + 1) * G]
-            if not _finite(block):
+            block = logits_NGV[n]
+            if not finite[n]:
                 emitted.append((req, [], None))  # folds nothing; the request ends below
                 continue
-            tokens, used = accept(block, drafts, req, _probs_fn(req.params))
+            tokens, used = accept(block, probs[n], drafts, req.generator)
             emitted.append((req, tokens, block[used]))
             self.spec_stats.drafted += len(drafts)
             self.spec_stats.accepted += len(tokens) - 1
@@ -247,10 +289,6 @@ class LLMEngine:
             self._emit(req, tokens, rows)  # first: the accepted drafts must be in req.tokens before commit hashes them
             if not req.is_finished:
                 self.manager.commit(req)
-
-    def _sample(self, req: Request, logits_V: torch.Tensor) -> int:
-        p = _probs_fn(req.params)(logits_V)
-        return int(logits_V.argmax()) if p is None else int(torch.multinomial(p, 1, generator=req.generator))
 
     def _emit(self, req: Request, tokens: list[int], logits_GV: torch.Tensor) -> None:
         """Append sampled tokens (stopping early at a stop condition) and finish the request if one is met."""
@@ -274,15 +312,15 @@ class LLMEngine:
 
     def _stop_reason(self, req: Request, tok: int) -> tuple[str, str | int | None] | None:
         params = req.params
+        req.detokenizer.append(tok)  # every token goes through the detokenizer, a stop token too
         if not params.ignore_eos and tok == self.eos_token_id:
             return "stop", tok
         if tok in params.stop_token_ids:
             return "stop", tok
         if params.stop:
-            text = self.tokenizer.decode(req.output_token_ids)
-            for s in params.stop:
-                if s in text:
-                    return "stop", s
+            stop_string = req.detokenizer.find_stop()
+            if stop_string is not None:
+                return "stop", stop_string
         if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
             return "length", None
         return None
@@ -315,11 +353,8 @@ class LLMEngine:
         reqs = self.requests[request_id]
         outs = []
         for req in reqs:
-            text = self.tokenizer.decode(req.output_token_ids)
-            if req.finish_reason == "stop" and isinstance(req.stop_reason, str):
-                text = text[: text.index(req.stop_reason)]
             outs.append(CompletionOutput(
-                req.index, text, list(req.output_token_ids),
+                req.index, req.detokenizer.output(req.is_finished), list(req.output_token_ids),
                 req.cumulative_logprob if req.params.logprobs is not None else None,
                 list(req.output_logprobs) if req.params.logprobs is not None else None,
                 req.finish_reason, req.stop_reason, req.error,

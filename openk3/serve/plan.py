@@ -1,8 +1,8 @@
 """The serving economics of K3's hybrid cache: bytes per token and per request, the crossover against an all-MLA
 model of the same depth, and the allocation unit (spec/serving.md §1.1–1.3).
 
-This file owns the arithmetic only; the pool that allocates these bytes is `serve/kv/block_pool.py`. What each layer
-kind keeps between forwards (spec §1.1):
+This file owns the arithmetic only, over the layers' `CacheSpec`s (model/cache.py); the pool that allocates these bytes
+is `serve/kv/block_pool.py`, built from the same specs. What each layer kind keeps between forwards (spec §1.1):
 
 - MLA: one latent per token per MLA layer, `kv_lora_rank + qk_rope_head_dim` values in the activation dtype. It has a
   single "head", so tensor parallelism **replicates** it: every TP rank holds all of it.
@@ -20,10 +20,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from openk3.config import K3TextConfig
+import torch
 
-_STATE_BYTES = 4  # the KDA recurrent state is fp32 everywhere (STYLE.md §5)
-_CONV_PROJECTIONS = 3  # q, k and v each have their own short conv
+from openk3.config import K3TextConfig
+from openk3.model.cache import cache_specs, layer_cache_spec
 
 
 @dataclass(frozen=True)
@@ -61,33 +61,32 @@ class CachePlan:
         return max(1, -(-tokens // hash_unit)) * hash_unit
 
 
+_DTYPE_OF_BYTES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+
+
 def cache_plan(text_config: K3TextConfig, act_bytes: int = 2, tp: int = 1) -> CachePlan:
-    """Compute the `CachePlan` of `text_config` with activations of `act_bytes` bytes at tensor parallelism `tp`."""
-    if act_bytes <= 0:
-        raise ValueError(f"act_bytes must be positive, got {act_bytes}")
-    la = text_config.linear_attn_config
-    if tp <= 0 or la.num_heads % tp:
-        raise ValueError(f"tp must be a positive divisor of linear_attn_config.num_heads ({la.num_heads}), got {tp}")
-    kinds = [text_config.layer_kind(i) for i in range(text_config.num_hidden_layers)]
-    num_kda, num_mla = kinds.count("kda"), kinds.count("mla")
-    latent = (text_config.kv_lora_rank + text_config.qk_rope_head_dim) * act_bytes
-    # K3's KDA uses head_dim for both the key and the value width (K = V).
-    state = la.num_heads * la.head_dim * la.head_dim * _STATE_BYTES // tp
-    conv = _CONV_PROJECTIONS * (la.short_conv_kernel_size - 1) * la.num_heads * la.head_dim * act_bytes // tp
-    fixed = num_kda * (state + conv)
-    mla_per_token = num_mla * latent
-    all_mla_per_token = text_config.num_hidden_layers * latent
+    """Compute the `CachePlan` of `text_config` with activations of `act_bytes` bytes at tensor parallelism `tp`,
+    from the layers' `CacheSpec`s (model/cache.py), the geometry the serving pools are built from."""
+    if act_bytes not in _DTYPE_OF_BYTES:
+        raise ValueError(f"act_bytes must be one of {sorted(_DTYPE_OF_BYTES)} (bytes per activation), got {act_bytes}")
+    dtype = _DTYPE_OF_BYTES[act_bytes]
+    mla, kda = (layer_cache_spec(text_config, kind, dtype, tp) for kind in ("mla", "kda"))
+    specs = cache_specs(text_config, dtype, tp)
+    num_kda, num_mla = sum(s.kind == "kda" for s in specs), sum(s.kind == "mla" for s in specs)
+    fixed = sum(s.bytes_per_request for s in specs)
+    mla_per_token = sum(s.bytes_per_token for s in specs)
+    all_mla_per_token = len(specs) * mla.bytes_per_token
     saving = all_mla_per_token - mla_per_token  # bytes per token the hybrid saves against all-MLA
     return CachePlan(
         num_mla_layers=num_mla,
         num_kda_layers=num_kda,
         act_bytes=act_bytes,
         tp=tp,
-        latent_bytes_per_token_layer=latent,
-        fixed_bytes_per_layer=state + conv,
+        latent_bytes_per_token_layer=mla.bytes_per_token,
+        fixed_bytes_per_layer=kda.bytes_per_request,
         mla_bytes_per_token=mla_per_token,
-        kda_state_bytes_per_request=num_kda * state,
-        conv_bytes_per_request=num_kda * conv,
+        kda_state_bytes_per_request=num_kda * kda.state_bytes,
+        conv_bytes_per_request=num_kda * kda.conv_bytes,
         fixed_bytes_per_request=fixed,
         all_mla_bytes_per_token=all_mla_per_token,
         crossover_tokens=fixed / saving if saving > 0 else math.inf,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from openk3.serve.detokenizer import IncrementalDetokenizer
 
 @dataclass
 class SamplingParams:
@@ -69,6 +70,7 @@ class Request:
     num_cached_tokens: int = 0  # effective prefix hit of the latest admission (tokens restored, not recomputed)
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None  # the output text so far, set by the engine
     # Cache resources, owned by the KV manager: KDA working slot, MLA page ids, unit hashes of `tokens`.
     slot: int | None = None
     block_ids: list[int] = field(default_factory=list)
@@ -78,6 +80,13 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        """tokens[start:end] without building `tokens` (a decode step reads one token of a long context)."""
+        P = len(self.prompt_token_ids)
+        if start >= P:
+            return self.output_token_ids[start - P : end - P]
+        return self.prompt_token_ids[start:end] + self.output_token_ids[: max(0, end - P)]
 
     @property
     def num_tokens(self) -> int:

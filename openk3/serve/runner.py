@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from openk3.model.batch import ForwardBatch
-from openk3.model.cache import VerifyStep
+from openk3.model.batch import ForwardBatch, Mode
 from openk3.model.model import K3ForCausalLM
 from openk3.serve.kv.manager import KVCacheManager
 from openk3.serve.request import Request
@@ -21,7 +20,7 @@ from openk3.serve.request import Request
 class ModelRunner:
     def __init__(self, model: K3ForCausalLM, manager: KVCacheManager):
         self.model, self.manager = model, manager
-        self.device = model.lm_head.weight.device
+        self.device = next(model.parameters()).device
 
     @torch.inference_mode()
     def run(self, reqs: list[Request], ids: list[list[int]], rows: list[list[int]], verify: bool = False):
@@ -30,10 +29,9 @@ class ModelRunner:
         lengths = [len(x) for x in ids]
         cache = self.manager.view(reqs, lengths, verify)
         flat = torch.tensor([t for x in ids for t in x], dtype=torch.long, device=self.device)
-        batch = ForwardBatch.from_lengths(flat, lengths, cache, verify=verify)
-        hidden_TD = self.model.model(batch)
+        batch = ForwardBatch.from_lengths(flat, lengths, cache, mode=Mode.VERIFY if verify else None)
+        hidden_TD = self.model.hidden_states(batch)
         offsets = batch.cu_seqlens[:-1].tolist()
         pick = torch.tensor([o + r for o, rs in zip(offsets, rows) for r in rs], dtype=torch.long, device=self.device)
-        logits = self.model.lm_head(hidden_TD.index_select(0, pick)).float()
-        records: list[list[VerifyStep]] | None = cache.records
-        return logits, records
+        logits = self.model.logits(hidden_TD, pick).float()
+        return logits, cache.records

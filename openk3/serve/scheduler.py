@@ -7,12 +7,14 @@ prompt are free. A prefill chunk that does not finish the prompt ends on a multi
 at the next planned checkpoint, so the KDA state exists exactly where a checkpoint must be taken (§2.3). When pages
 run out the newest running request is preempted: it gives back its slot and pages and re-enters the queue with its
 tokens so far; it resumes from its deepest checkpoint when prefix caching is on, else recomputes (§3).
+Scheduling runs no model: speculative drafts come from the engine (proposed within `draft_room`), and the scheduler
+only cuts each to what the token budget leaves.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from openk3.serve.config import ServeConfig
@@ -37,10 +39,6 @@ class StepPlan:
         return sum(c.num_tokens for c in self.chunks) + sum(
             (1 + g) * len(group) for g, group in self.verify.items()
         )  # fmt: skip
-
-
-# A proposer returns up to `k` draft tokens for a decoding request.
-Proposer = Callable[[Request, int], list[int]]
 
 
 class Scheduler:
@@ -88,21 +86,29 @@ class Scheduler:
                 return False
         return True
 
-    def schedule(self, propose: Proposer | None = None) -> StepPlan:
-        plan, budget = StepPlan(), self.config.max_num_batched_tokens
+    def draft_room(self, req: Request) -> int:
+        """How many draft tokens a decoding request may verify this step, before the token budget: at most
+        `num_speculative_tokens`, and never past max_model_len or max_tokens (0 for a request still prefilling)."""
         k = self.config.speculative_config.num_speculative_tokens if self.config.speculative_config else 0
+        if req.is_prefill:
+            return 0
+        return min(k, self.config.max_model_len - req.num_tokens, req.params.max_tokens - len(req.output_token_ids) - 1)
+
+    def schedule(self, drafts: Mapping[int, list[int]] | None = None) -> StepPlan:
+        """This step's plan. `drafts` maps id(req) to a decoding request's proposed tokens (within its
+        `draft_room`); each is cut to what the token budget leaves."""
+        plan, budget = StepPlan(), self.config.max_num_batched_tokens
+        drafts = drafts or {}
         for req in list(self.running):
             if req.is_prefill or req not in self.running or budget < 1:
                 continue
-            room = min(k, budget - 1, self.config.max_model_len - req.num_tokens,
-                       req.params.max_tokens - len(req.output_token_ids) - 1)  # fmt: skip
-            drafts = propose(req, room) if propose is not None and room > 0 else []
-            if not self._reserve(plan, req, req.num_computed + 1 + len(drafts)):
+            drafts_req = drafts.get(id(req), [])[: budget - 1]
+            if not self._reserve(plan, req, req.num_computed + 1 + len(drafts_req)):
                 self._preempt(plan, req)
                 continue
-            budget -= 1 + len(drafts)
-            if drafts:
-                plan.verify.setdefault(len(drafts), []).append((req, drafts))
+            budget -= 1 + len(drafts_req)
+            if drafts_req:
+                plan.verify.setdefault(len(drafts_req), []).append((req, drafts_req))
             else:
                 plan.chunks.append(Chunk(req, 1))
         for req in list(self.running):

@@ -4,11 +4,11 @@ Proposers return draft tokens for a decoding request: `NgramProposer` (prompt lo
 latest earlier occurrence of the context's last n-gram; no extra model) and `DraftModelProposer` (a small K3 that
 shares the target's vocabulary, run greedily on its own contiguous cache).
 
-The target verifies 1 + k tokens per request in one forward with `ForwardBatch.verify`: KDA layers run the decode
+The target verifies 1 + k tokens per request in one forward in mode VERIFY: KDA layers run the decode
 step on register copies and record each step's inputs, writing no state. `accept` applies the rejection rule
 (greedy: drafts must equal the target's argmax; sampling: a draft d is kept with probability p(d), else the token
 is drawn from p with d removed; both keep the target's distribution exactly, since drafts are point masses).
-`fold` then replays the recorded inputs of the accepted prefix onto each working slot with `kda_step`, the
+`fold` then replays the recorded inputs of the accepted prefix onto each working slot with `kda_fold`, the
 verify pass's own function on the same batch shape, so the folded state is bitwise the state verify held (§4.4).
 
 Legend: N requests, G = 1 + drafts, H heads, K/V head dims, W conv width, P projected width, V vocabulary.
@@ -20,9 +20,11 @@ import copy
 
 import torch
 
-from openk3.model.cache import VerifyStep
-from openk3.ops.dispatch import kda_step
+from openk3.ops.conv import roll_tail
+from openk3.ops.dispatch import kda_fold
+from openk3.ops.sampling import draw
 from openk3.serve.kv.block_pool import HybridPools
+from openk3.serve.kv.views import KDARecord
 from openk3.serve.request import Request
 
 
@@ -72,7 +74,7 @@ class DraftModelProposer:
                 f"{target_vocab}; a draft model must share the target's tokenizer"
             )
         self.model = draft_model
-        self.device = draft_model.lm_head.weight.device
+        self.device = next(draft_model.parameters()).device
         self.caches: dict[int, tuple[object, int, torch.Tensor | None]] = {}  # id(req) -> (cache, fed, last logits)
 
     @torch.inference_mode()
@@ -130,22 +132,25 @@ class AdaptiveProposer:
         self.proposer.release(req)
 
 
-def accept(logits_GV: torch.Tensor, drafts: list[int], req: Request, probs_fn) -> tuple[list[int], list[int]]:
+def accept(
+    logits_GV: torch.Tensor, probs_GV: torch.Tensor | None, drafts: list[int], generator: torch.Generator | None
+) -> tuple[list[int], list[int]]:
     """Tokens emitted for one verified request and the rows of `logits_GV` they were sampled from.
 
-    Row j holds the target's distribution after the last accepted token and drafts[:j]. `probs_fn(row)` returns the
-    sampling distribution of a row (None for greedy)."""
+    Row j holds the target's distribution after the last accepted token and drafts[:j]. `probs_GV` are the rows'
+    sampling distributions (`ops.sampling.sampling_probs_rows`), None for a greedy request; the random draws come
+    from the request's `generator`."""
     out, rows = [], []
     for j, d in enumerate(drafts):
-        p = probs_fn(logits_GV[j])
-        if p is None:
+        if probs_GV is None:
             target = int(logits_GV[j].argmax())
             out.append(target)
             rows.append(j)
             if target != d:
                 return out, rows
             continue
-        if torch.rand((), generator=req.generator) < p[d]:
+        p = probs_GV[j]
+        if torch.rand((), generator=generator) < p[d]:
             out.append(d)
             rows.append(j)
             continue
@@ -153,35 +158,25 @@ def accept(logits_GV: torch.Tensor, drafts: list[int], req: Request, probs_fn) -
         residual[d] = 0
         if residual.sum() <= 0:  # p was a point mass on d, which rand() < 1 always accepts; kept for safety
             residual = p
-        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=req.generator)))
+        out.append(int(draw((residual / residual.sum())[None], [generator])))
         rows.append(j)
         return out, rows
     G = len(drafts)
-    p = probs_fn(logits_GV[G])
-    bonus = int(logits_GV[G].argmax()) if p is None else int(torch.multinomial(p, 1, generator=req.generator))
+    bonus = int(logits_GV[G].argmax()) if probs_GV is None else int(draw(probs_GV[G : G + 1], [generator]))
     return out + [bonus], rows + [G]
 
 
 @torch.inference_mode()
-def fold(pools: HybridPools, slots: list[int], records: list[list[VerifyStep]], consumed: list[int]) -> None:
+def fold(pools: HybridPools, slots: list[int], records: list[KDARecord], consumed: list[int]) -> None:
     """Replay the first `consumed[n]` recorded steps of request n onto its working slot, for every KDA layer:
-    the state by `kda_step` on the whole verify batch (rows past their count keep their state), the conv tails by
-    rolling in the recorded pre-conv rows."""
+    the state by `kda_fold` (the verify pass's decode step on the whole batch; rows past their count keep their
+    state), the conv tails by rolling in the recorded pre-conv rows (`roll_tail`)."""
     device = pools.state_NkSHKV.device
     slots_N = torch.tensor(slots, dtype=torch.long, device=device)
     used_N = torch.tensor(consumed, dtype=torch.long, device=device)
-    steps = max(consumed)
-    W1 = pools.conv_Nk3SWP.shape[-2]
-    for j, layer_records in enumerate(records):
+    for j, record in enumerate(records):
         state = pools.state_NkSHKV[j].index_select(0, slots_N)
-        for t in range(steps):
-            r = layer_records[t]
-            _, new = kda_step(r.q_NHK, r.k_NHK, r.v_NHV, r.g_NHK, r.beta_NH, state)
-            state = torch.where((t < used_N)[:, None, None, None], new, state)
-        pools.state_NkSHKV[j].index_copy_(0, slots_N, state)
+        pools.state_NkSHKV[j].index_copy_(0, slots_N, kda_fold(record.steps, state, used_N))
         conv = pools.conv_Nk3SWP[j]
         for c in range(3):
-            rows_NGP = torch.stack([r.pre_conv_NP[c] for r in layer_records], 1).to(conv.dtype)
-            full = torch.cat([conv[c].index_select(0, slots_N), rows_NGP], 1)  # [N, W-1 + G, P]
-            idx = used_N[:, None] + torch.arange(W1, device=device)[None, :]
-            conv[c].index_copy_(0, slots_N, full.gather(1, idx[:, :, None].expand(-1, -1, full.shape[-1])))
+            conv[c].index_copy_(0, slots_N, roll_tail(conv[c].index_select(0, slots_N), record.pre_conv_NGP[c], used_N))

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node 4 -m openk3.train --preset tiny --out runs/tiny-4 --dp 2 --ep 2
 
-With one process (no torchrun) it is plain `k3 train`.
+With one process (no torchrun) it is plain `k3 train`: the same Trainer, at a world of 1.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from openk3.train.flags import add_train_arguments, config_from_args
+from openk3.train.trainer import Trainer
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 
@@ -25,13 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     add_train_arguments(parser)
     cfg = config_from_args(parser.parse_args(argv))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        from openk3.train.trainer import Trainer
-
+    if world == 1:  # a world of 1 needs no process group
         Trainer(cfg).run()
         return 0
-    from openk3.train.distributed import DistributedTrainer
-
     use_cuda = torch.cuda.is_available() and cfg.device != "cpu"
     if use_cuda:
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -45,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     timeout = timedelta(seconds=float(os.environ.get("OPENK3_COLLECTIVE_TIMEOUT_S", DEFAULT_COLLECTIVE_TIMEOUT_S)))
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
     try:
-        trainer = DistributedTrainer(cfg)
-        summary = trainer.run()
+        summary = Trainer(cfg).run()  # the layout (dp x ep x cp) comes from the process group and cfg
         if dist.get_rank() == 0 and summary:
             print("final: " + ", ".join(f"{k}={v:.4g}" for k, v in summary.items() if isinstance(v, float)))
     finally:

@@ -33,9 +33,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from openk3.ops.moe.route import route_topk_cutoff
+from openk3.train.config import BALANCE_METHODS as METHODS
 from openk3.train.metrics import expert_loads, max_vio, min_load
 
-METHODS = ("quantile", "sign", "none")
 
 
 def required_bias(

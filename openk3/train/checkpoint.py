@@ -1,23 +1,31 @@
-"""Training checkpoints you can trust: atomic, complete, and never unpickled.
+"""Training checkpoints you can trust: one DCP checkpoint per saved step, written shard by shard, atomic, complete,
+and loadable at any layout; plus the one function that loads a model from any folder a user names.
 
 Layout of a run folder:
     RUN/train_config.json                 the run's settings
     RUN/metrics.jsonl                     one JSON object per step
     RUN/checkpoints/step-00000100/        one complete checkpoint per saved step:
-        config.json, model.safetensors      the model under the official K3 names, fp32 training weights
+        .metadata, __R_0.distcp             the DCP checkpoint (parallel/checkpoint.py): model weights (fp32, the
+                                            model's own names), optimizer state, balancing state (balancer.lo/hi),
+                                            torch RNG; each rank writes its own shards, nothing is gathered
+        config.json                         the model's config (official schema)
         tokenizer.json                      the run's tokenizer (when it is not byte-level)
-        optimizer.safetensors               AdamW moments and step counters, flattened
-        trainer_state.json                  step, data position, balancing state, RNG, counters, optimizer groups
+        trainer_state.json                  step, data position, counters, Python RNG, balancer settings, layout
     RUN/checkpoints/latest                the name of the newest complete checkpoint
 
-A checkpoint is written into a hidden temporary folder and renamed into place only when complete, then `latest`
-is replaced atomically; a kill at any moment leaves the previous checkpoint and pointer untouched (temporary
-folders of killed saves are removed on the next save). Only safetensors and JSON are read back.
+Saved at one layout, a checkpoint resumes at any other: one process and N ranks alike (a world of 1 is a layout).
+A checkpoint is written into a hidden temporary folder and renamed into place only when every rank's shards are
+written, then `latest` is replaced atomically; a kill at any moment leaves the previous checkpoint and pointer
+untouched (temporary folders of killed saves are removed on the next save).
 
 Reading picks the newest good checkpoint (`latest_checkpoint`): the one `latest` names, unless it is missing or
 damaged (a disk error, a copy cut short, a hand edit: `checkpoint_problem` says what), in which case a warning names
 it and the newest complete `step-*` folder is used instead. The files are permission 0666 less the umask, as
-`open` would create them (safetensors writes 0600).
+`open` would create them.
+
+`load_model(path)` is how the CLI opens `--ckpt`: a release-format folder (config.json + safetensors), a training
+checkpoint (its DCP weights read in one process, no process group) or a run folder (its newest good checkpoint).
+The release format itself is an offline product of a checkpoint: `k3 export --ckpt RUN --out DIR`.
 """
 
 from __future__ import annotations
@@ -31,43 +39,40 @@ import shutil
 from typing import Callable
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
 
-from openk3.model.hf import weight_files
+from openk3.config import K3Config
+from openk3.model.model import K3ForCausalLM
+from openk3.parallel.checkpoint import METADATA, load_distributed, save_distributed, storage_problem
+from openk3.train.distributed import Layout
 from openk3.utils import open_permissions, read_json
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+TRAINER_STATE = "trainer_state.json"
 _STEP = re.compile(r"^step-(\d+)(?:-r(\d+))?$")  # step-00000100, or step-00000100-r1 for a re-saved step
 _log = logging.getLogger("openk3")
 
 
-def _flatten_optimizer(state: dict) -> tuple[dict[str, torch.Tensor], list]:
-    tensors = {}
-    for idx, slots in state["state"].items():
-        for name, value in slots.items():
-            tensors[f"{idx}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
-    return tensors, state["param_groups"]
+def torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside the trainer's optimizer: DCP's state-dict helpers take torch optimizers, and
+    MuonWithAdamW (train/optim.py) is two of them over disjoint parameters."""
+    inner = [getattr(optimizer, name) for name in ("muon", "adamw") if hasattr(optimizer, name)]
+    return inner or [optimizer]
 
 
-def _unflatten_optimizer(tensors: dict[str, torch.Tensor], groups: list) -> dict:
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
-    return {"state": state, "param_groups": groups}
+def _tensor_state(balancer_state: dict) -> dict:
+    """The DCP-held part of a checkpoint besides model and optimizer: balancing thresholds and the torch RNG."""
+    return {"balancer": {k: balancer_state[k] for k in ("lo", "hi")}, "rng": {"torch_cpu": torch.get_rng_state()}}
 
 
-def rng_state() -> tuple[dict, dict[str, torch.Tensor]]:
-    state = random.getstate()
-    return {"python": [state[0], list(state[1]), state[2]]}, {"torch_cpu": torch.get_rng_state()}
+def _python_rng() -> dict:
+    version, internal, gauss = random.getstate()
+    return {"python": [version, list(internal), gauss]}
 
 
-def set_rng_state(json_state: dict, tensors: dict[str, torch.Tensor]) -> None:
-    version, internal, gauss = json_state["python"]
+def _set_python_rng(state: dict) -> None:
+    version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    torch.set_rng_state(tensors["torch_cpu"])
 
 
 def _fsync_dir(path: str) -> None:
@@ -78,25 +83,47 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def save_checkpoint(run_dir: str, step: int, model, optimizer, trainer_state: dict, tokenizer=None,
-                    keep: int = 2) -> str:  # fmt: skip
-    """Write checkpoint `step` atomically and prune older ones beyond `keep`. Returns its folder."""
+def save_checkpoint(run_dir: str, step: int, model, optimizer, balancer_state: dict, trainer_state: dict,
+                    tokenizer=None, keep: int = 2, layout: Layout | None = None) -> str:  # fmt: skip
+    """Write checkpoint `step` atomically and prune older ones beyond `keep`; every rank of `layout` (default: one
+    process) calls it and writes its own shards. `balancer_state` is `Balancer.state_dict()`; `trainer_state` holds
+    JSON values only. Returns the checkpoint's folder on every rank."""
+    layout = layout or Layout.single()
     root = os.path.join(run_dir, CHECKPOINTS)
-    remove_temporaries(root)
     name = f"step-{step:08d}"
-    tmp = os.path.join(root, f".tmp-{name}-{os.getpid()}")
-    os.makedirs(tmp)
-    model.save_pretrained(tmp)
-    if tokenizer is not None and hasattr(tokenizer, "save"):
-        tokenizer.save(tmp)
-    opt_tensors, groups = _flatten_optimizer(optimizer.state_dict())
-    rng_json, rng_tensors = rng_state()
-    save_file({**{f"optim.{k}": v.contiguous() for k, v in opt_tensors.items()},
-               **{f"rng.{k}": v for k, v in rng_tensors.items()}},
-              os.path.join(tmp, "optimizer.safetensors"))  # fmt: skip
-    with open(os.path.join(tmp, "trainer_state.json"), "w", encoding="utf-8") as f:
-        json.dump({**trainer_state, "step": step, "optimizer_groups": groups, "rng": rng_json}, f, indent=1)
-    return publish_checkpoint(root, tmp, name, keep)
+    tmp = os.path.join(root, f".tmp-{name}")
+    if layout.is_main:
+        remove_temporaries(root)  # leftovers of killed saves: never published checkpoints
+        os.makedirs(tmp)
+    layout.barrier()
+    save_distributed(model, tmp, layout.mesh, layout.dims, optimizers=torch_optimizers(optimizer),
+                     extra=_tensor_state(balancer_state))  # fmt: skip
+    if layout.is_main:  # dcp.save returns on the coordinator once every rank's shards and the metadata are written
+        model.config.save_pretrained(tmp)
+        if tokenizer is not None and hasattr(tokenizer, "save"):
+            tokenizer.save(tmp)
+        balancer = {k: v for k, v in balancer_state.items() if k not in ("lo", "hi")}
+        state = {**trainer_state, "step": step, "balancer": balancer, "rng": _python_rng(),
+                 "world_size": layout.world, "layout": vars(layout.dims)}  # fmt: skip
+        with open(os.path.join(tmp, TRAINER_STATE), "w", encoding="utf-8") as f:
+            json.dump(state, f, indent=1)
+        publish_checkpoint(root, tmp, name, keep)
+    layout.barrier()
+    with open(os.path.join(root, LATEST), encoding="utf-8") as f:  # the folder the main process published
+        return os.path.join(root, f.read().strip())
+
+
+def load_checkpoint(path: str, model, optimizer, balancer, layout: Layout | None = None) -> dict:
+    """Restore `model` (built and parallelized for `layout`), `optimizer`, `balancer` and the RNG from checkpoint
+    folder `path`, saved at any layout; returns trainer_state.json (step, data position, counters)."""
+    layout = layout or Layout.single()
+    state = read_json(os.path.join(path, TRAINER_STATE))
+    tensors = _tensor_state(balancer.state_dict())
+    load_distributed(model, path, layout.mesh, layout.dims, optimizers=torch_optimizers(optimizer), extra=tensors)
+    balancer.load_state_dict({**state["balancer"], **tensors["balancer"]})
+    _set_python_rng(state["rng"])
+    torch.set_rng_state(tensors["rng"]["torch_cpu"])
+    return state
 
 
 def remove_temporaries(root: str) -> None:
@@ -136,48 +163,30 @@ def publish_checkpoint(root: str, tmp: str, name: str, keep: int) -> str:
     return final
 
 
-def _check_safetensors(path: str, required: tuple[str, ...] = ()) -> None:
-    """Open the header: safetensors checks that its offsets cover the file exactly, so a cut-short file fails."""
-    with safe_open(path, "pt") as f:
-        missing = [k for k in required if k not in f.keys()]
-    if missing:
-        raise ValueError(f"no {', '.join(missing)}")
-
-
 def checkpoint_problem(path: str) -> str | None:
     """What makes checkpoint folder `path` unusable for resuming or loading, in a few words; None when every file a
-    load reads is there and parses (JSON files; safetensors headers, which catch truncation). Reads no tensor data."""
+    load reads is there and parses (JSON files; the DCP metadata, and every shard file it names at its full length,
+    which catches truncation). Reads no tensor data."""
     if not os.path.isdir(path):
         return "the folder does not exist"
-    name, weights = "", "the model's weight files"
+    name = ""
     try:
         name = "config.json"
         read_json(os.path.join(path, name))
-        name = weights
-        for file in sorted(set(weight_files(path).values())):  # the loader's own resolution (index or single file)
-            name = os.path.basename(file)
-            _check_safetensors(file)
-        name = "trainer_state.json"
+        name = TRAINER_STATE
         state = read_json(os.path.join(path, name))
         if not isinstance(state.get("step"), int):
             raise ValueError("no step number")
-        if os.path.isdir(os.path.join(path, "optimizer-dcp")):  # a multi-process run's optimizer
-            name = "optimizer-dcp/.metadata"
-            if os.path.getsize(os.path.join(path, name)) == 0:
-                raise ValueError("empty file")
-        else:
-            if "optimizer_groups" not in state or "rng" not in state:
-                raise ValueError("no optimizer_groups or rng")
-            name = "optimizer.safetensors"
-            _check_safetensors(os.path.join(path, name), required=("rng.torch_cpu",))
+        if "rng" not in state or "balancer" not in state:
+            raise ValueError("no rng or balancer")
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if os.path.exists(os.path.join(path, name)):
                 read_json(os.path.join(path, name))
-    except FileNotFoundError as err:  # the loader's own error says which weight files it looked for
-        return str(err) if name == weights else f"{name} is missing"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError) as err:
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         return f"{name}: {err}"
-    return None
+    return storage_problem(path, required=("rng.torch_cpu", "balancer.lo", "balancer.hi"))
 
 
 def _newest_first(root: str) -> list[str]:
@@ -230,12 +239,28 @@ def resolve_checkpoint(path: str) -> str:
     return path
 
 
-def load_trainer_files(path: str, optimizer) -> dict:
-    """Restore the optimizer and RNG from checkpoint folder `path`; return the trainer state dict."""
-    with open(os.path.join(path, "trainer_state.json"), encoding="utf-8") as f:
-        state = json.load(f)
-    tensors = load_file(os.path.join(path, "optimizer.safetensors"))
-    opt = {k.removeprefix("optim."): v for k, v in tensors.items() if k.startswith("optim.")}
-    optimizer.load_state_dict(_unflatten_optimizer(opt, state["optimizer_groups"]))
-    set_rng_state(state["rng"], {k.removeprefix("rng."): v for k, v in tensors.items() if k.startswith("rng.")})
-    return state
+def is_training_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, METADATA))
+
+
+def build_model(config: K3Config, device: str | torch.device = "cpu") -> K3ForCausalLM:
+    """A K3ForCausalLM with uninitialised fp32 storage on `device` (meta construction, then `to_empty`): the caller
+    initialises it (`init_weights`) or fills it from a checkpoint."""
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    return model.to_empty(device=device)
+
+
+def load_model(path: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+    """(model, folder) for `path`: a release-format checkpoint folder, a training checkpoint (DCP, read in this one
+    process without a process group) or a training run (its newest good checkpoint). `folder` is the checkpoint
+    folder, where its tokenizer and chat template are. dtype=None keeps the stored dtypes (a training checkpoint's
+    are fp32)."""
+    folder = resolve_checkpoint(path)
+    if not is_training_checkpoint(folder):
+        return K3ForCausalLM.from_pretrained(folder, dtype=dtype, device=device), folder
+    model = build_model(K3Config.from_pretrained(folder))
+    load_distributed(model, folder, None, Layout.single().dims)
+    if dtype is not None:
+        model.to_dtype(dtype)
+    return model.to(device), folder

@@ -11,53 +11,77 @@ import json
 import os
 from dataclasses import dataclass
 
+from openk3.config import PRESETS
+
 BALANCE_METHODS = ("quantile", "sign", "none")
 SCHEDULES = ("wsd", "cosine")
 PRECISIONS = ("auto", "fp32", "bf16")
 OPTIMIZERS = ("adamw", "muon")
+TOKENIZERS = ("bpe", "byte")
+
+
+def flag(default, help: str, **meta):
+    """A field that `k3 train` exposes as --field-name (train/flags.py builds the parser from this metadata).
+
+    meta: `choices` (a closed set: shown in --help, checked by `validate`); `launch=True` (a setting of this launch,
+    not of the run: on --resume it comes from this command line or the default, never from the saved run);
+    `required=True`. A bool field is a switch: --field-name sets True, or --no-field-name sets False when the
+    default is True."""
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass
 class TrainConfig:
-    preset: str = "tiny"
-    data: str = "stdlib"  # "stdlib", "mqar", "needle", "copy", "recall", or a path (text file, folder, JSONL with "text")
-    tokenizer: str = "bpe"  # "bpe" (trained on the corpus, carried by the checkpoint) or "byte"
-    steps: int = 200  # total optimizer steps of the run (the schedule's length)
-    stop_after: int | None = None  # stop cleanly once the run has completed this many steps (schedule unchanged)
-    resume: bool = False
-    seed: int = 0
-    out: str = "runs/tiny"
-    balance: str = "quantile"
-    balance_exact_thresholds: bool = False  # spec/balancing.md §2.4 refinement (not K3's rule); helps small k
-    balance_bins: int = 1000  # quantile-balancing histogram bins (K3: 1000; more resolve near-tied scores better)
-    balance_ema: float = 0.0  # spec/balancing.md §2.2's optional EMA: b = ema·b_old + (1 − ema)·b_new; 0 = K3's rule
-    batch_size: int = 16  # global batch, in sequences of the final length
-    micro_batch_size: int | None = None  # sequences per forward/backward; None = the whole batch
-    seq_len: int = 256  # final sequence length of the curriculum
-    curriculum: float = 0.5  # fraction of steps trained at seq_len // 4 (K3: 8K then 64K); 0 disables
-    lr: float = 3e-3
+    preset: str = flag("tiny", "model preset", choices=tuple(PRESETS))
+    data: str = flag("stdlib", "stdlib (default), mqar, needle, copy, recall, or a path: text file, folder, JSONL "
+                     "with 'text'")  # fmt: skip
+    tokenizer: str = flag("bpe", "bpe (trained on the corpus, saved with the checkpoint) or byte", choices=TOKENIZERS)
+    steps: int = flag(200, "total optimizer steps of the run (the schedule's length)")
+    stop_after: int | None = flag(None, "stop cleanly once this many steps are done (schedule unchanged)", launch=True)
+    resume: bool = flag(False, "continue the run in --out up to --steps")
+    seed: int = flag(0, "seed for weights, data order and evaluation")
+    out: str = flag("runs/tiny", "run folder: checkpoints, metrics.jsonl, train_config.json", required=True)
+    balance: str = flag("quantile", "router-bias balancing: quantile (K3), sign (DeepSeek-V3) or none",
+                        choices=BALANCE_METHODS)  # fmt: skip
+    balance_exact_thresholds: bool = flag(False, "quantile balancing with exact per-entry thresholds (spec §2.4 "
+                                          "refinement, not K3's rule; helps small k)")  # fmt: skip
+    # More bins resolve near-tied scores better.
+    balance_bins: int = flag(1000, "quantile-balancing histogram bins (K3: 1000)")
+    balance_ema: float = flag(0.0, "damped QB update b = ema*b_old + (1-ema)*b_new (spec/balancing.md §2.2; "
+                              "0: K3's rule)")  # fmt: skip
+    batch_size: int = flag(16, "global batch in sequences of the final length")
+    micro_batch_size: int | None = flag(None, "sequences per forward/backward (gradient accumulation; default: the "
+                                        "whole batch)")  # fmt: skip
+    seq_len: int = flag(256, "final sequence length of the curriculum")
+    # K3 trained at 8K then 64K.
+    curriculum: float = flag(0.5, "fraction of steps at seq_len // 4 before the full length (0 disables)")
+    lr: float = flag(3e-3, "peak learning rate")
     min_lr_ratio: float = 0.1
-    warmup: float = 0.05  # fraction of steps
-    schedule: str = "wsd"
+    warmup: float = flag(0.05, "warmup fraction of the steps")
+    schedule: str = flag("wsd", "wsd (warmup-stable-decay) or cosine", choices=SCHEDULES)
     decay_fraction: float = 0.2  # WSD: the final fraction of steps decays linearly to min_lr
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    optimizer: str = "adamw"  # "adamw" or "muon" (Muon for hidden matrices, AdamW for the rest; one process)
+    weight_decay: float = flag(0.1, "AdamW weight decay on matrices")
+    grad_clip: float = flag(1.0, "global gradient-norm clip")
+    optimizer: str = flag("adamw", "adamw, or muon (Muon for hidden matrices + AdamW for the rest; one process)",
+                          choices=OPTIMIZERS)  # fmt: skip
     beta1: float = 0.9
     beta2: float = 0.95
-    device: str = "auto"
-    precision: str = "auto"  # bf16 autocast on CUDA (when supported), fp32 on CPU, unless forced
-    activation_checkpointing: bool = False
-    eval_every: int = 50
-    eval_batches: int = 4
-    save_every: int = 100
-    keep_checkpoints: int = 2
-    max_nonfinite: int = 5  # consecutive non-finite steps before training stops with a good checkpoint
-    sample_tokens: int = 64  # printed sample after training; 0 disables
-    progress: bool = True
-    dp: int = 1  # parallel layout (openk3.parallel); dp x ep x cp = world size, under torchrun
-    ep: int = 1
-    cp: int = 1
+    device: str = flag("auto", "auto, cpu, cuda, cuda:1, ...")
+    precision: str = flag("auto", "auto (bf16 autocast on CUDA when supported, fp32 on CPU), fp32 or bf16",
+                          choices=PRECISIONS)  # fmt: skip
+    activation_checkpointing: bool = flag(False, "recompute activations in backward")
+    eval_every: int = flag(50, "evaluate every N steps (and at the end)")
+    eval_batches: int = flag(4, "validation batches per evaluation")
+    save_every: int = flag(100, "checkpoint every N steps (and at the end)")
+    keep_checkpoints: int = flag(2, "complete checkpoints to keep")
+    # Training stops with a good checkpoint after this many.
+    max_nonfinite: int = flag(5, "non-finite steps in a row before stopping")
+    sample_tokens: int = flag(64, "tokens of the sample printed after training (0: none)")
+    progress: bool = flag(True, "no progress bar", launch=True)
+    # The parallel layout (openk3.parallel), under torchrun: a property of the launch, so --resume may change it.
+    dp: int = flag(1, "data-parallel degree (FSDP2); dp x ep x cp = the number of processes", launch=True)
+    ep: int = flag(1, "expert-parallel degree (experts split over ranks, all-to-all dispatch)", launch=True)
+    cp: int = flag(1, "context-parallel degree (contiguous sequence shards)", launch=True)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -67,21 +91,16 @@ class TrainConfig:
             raise ValueError(f"--steps must be positive, got {self.steps}")
         if self.stop_after is not None and self.stop_after <= 0:
             raise ValueError(f"--stop-after must be positive, got {self.stop_after}")
-        if self.balance not in BALANCE_METHODS:
-            raise ValueError(f"--balance must be one of {BALANCE_METHODS}, got {self.balance!r}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                flag_name = "--" + f.name.replace("_", "-")
+                raise ValueError(f"{flag_name} must be one of {choices}, got {getattr(self, f.name)!r}")
         if not 0.0 <= self.balance_ema < 1.0:
             raise ValueError(f"--balance-ema must be in [0, 1), got {self.balance_ema}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"--optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.optimizer == "muon" and self.dp * self.ep * self.cp > 1:
             raise ValueError("--optimizer muon runs in one process: its Newton-Schulz step needs whole matrices, which "
                              "FSDP2 and expert parallelism shard; use --optimizer adamw with --dp/--ep/--cp")  # fmt: skip
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"--schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.tokenizer not in ("bpe", "byte"):
-            raise ValueError(f"--tokenizer must be 'bpe' or 'byte', got {self.tokenizer!r}")
         if self.batch_size <= 0 or self.seq_len <= 0:
             raise ValueError(f"--batch-size and --seq-len must be positive, got {self.batch_size}, {self.seq_len}")
         mb = self.micro_batch_size

@@ -29,12 +29,13 @@ def _logits(model, batch, device) -> torch.Tensor:
 def evaluate(model, data, cfg, device) -> dict:
     text = model.text_config
     L = cfg.seq_len
-    total, count = 0.0, 0
+    # Summed on the device in fp64 (each batch's fp32 sum exactly, in order): one host sync, not one per batch.
+    total, count = torch.zeros((), dtype=torch.float64, device=device), 0
     for batch in data.val_batches(EVAL_ROWS, L, cfg.eval_batches):
         logits = _logits(model, batch, device)
-        total += float(lm_loss_sum(logits.view(-1, logits.shape[-1]), batch.labels.to(device).view(-1)))
+        total += lm_loss_sum(logits.view(-1, logits.shape[-1]), batch.labels.to(device).view(-1)).double()
         count += batch.num_loss_tokens()
-    out = {"val_loss": total / max(count, 1)}
+    out = {"val_loss": float(total) / max(count, 1)}
     if data.unigram_loss is not None:
         out["unigram_loss"] = data.unigram_loss
     if L >= 32:  # MQAR needs room for a few pairs and queries

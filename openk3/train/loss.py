@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IGNORE = -100
+from openk3.data.packing import IGNORE_INDEX
 
 
 def lm_loss_sum(logits_TV: torch.Tensor, labels_T: torch.Tensor) -> torch.Tensor:
     """Sum of per-token cross-entropy (fp32) over positions whose label is not -100."""
-    return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE, reduction="sum")
+    return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")

@@ -9,8 +9,13 @@ Per optimizer step (no argument parsing here; `k3 train` maps flags onto `TrainC
     4. `Balancer.step()` updates the router biases (quantile balancing by default), then `optimizer.step()`
     5. one JSON line in metrics.jsonl; periodic evaluation and atomic checkpoints
 
+One Trainer for every layout: one process is a world of 1, and what differs between layouts (mesh, EP/CP/FSDP2,
+the rows each rank takes, the loss and gradient-norm reductions) is the `Layout` object (train/distributed.py).
+
 Everything a resumed run needs (weights, AdamW moments, data position, balancing state, RNG, counters) is in the
-checkpoint, so `--steps 2N` in one go equals `--stop-after N` followed by `--resume`, bit for bit.
+checkpoint, so `--steps 2N` in one go equals `--stop-after N` followed by `--resume`, bit for bit; the checkpoint
+is DCP (train/checkpoint.py), so the resumed half may run at another layout (same losses to the cross-layout
+tolerance).
 """
 
 from __future__ import annotations
@@ -24,13 +29,13 @@ from contextlib import nullcontext
 import torch
 
 from openk3.config import K3Config
-from openk3.model.batch import ForwardBatch
-from openk3.model.model import K3ForCausalLM
 from openk3.parallel.ac import apply_activation_checkpointing
+from openk3.parallel.dims import ParallelDims
 from openk3.train.balance import Balancer
-from openk3.train.checkpoint import latest_checkpoint, load_trainer_files, save_checkpoint
+from openk3.train.checkpoint import build_model, latest_checkpoint, load_checkpoint, save_checkpoint
 from openk3.train.config import TrainConfig
 from openk3.train.data import RunData
+from openk3.train.distributed import Layout
 from openk3.train.evaluate import evaluate
 from openk3.train.loss import lm_loss_sum
 from openk3.train.metrics import random_routing_maxvio_floor
@@ -49,39 +54,40 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, log=print):
-        self.cfg, self.log = cfg, log
+    """Trains at any layout: `layout` defaults to this process group's (a world of 1 without one), laid out by
+    cfg.dp x cfg.ep x cfg.cp (train/distributed.py)."""
+
+    def __init__(self, cfg: TrainConfig, log=print, layout: Layout | None = None):
         self.device = resolve_device(cfg.device)
+        self.layout = layout or Layout(ParallelDims(cfg.dp, cfg.ep, cfg.cp), self.device)
+        if not self.layout.is_main:  # one process reports; the others train silently
+            cfg.progress, log = False, (lambda *args, **kwargs: None)
+        self.cfg, self.log = cfg, log
         self.run_dir = cfg.out
         ckpt = self._checkpoint_to_resume()
         torch.manual_seed(cfg.seed)
         model_config = K3Config.from_pretrained(ckpt) if ckpt else K3Config.preset(cfg.preset)
         self.data = RunData(cfg, model_config.text_config, tokenizer_dir=ckpt, log=log)
-        if ckpt is not None:
-            self.model = K3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
-        else:
-            with torch.device("meta"):
-                self.model = K3ForCausalLM(model_config)
-            self.model.to_empty(device="cpu")
+        self.model = build_model(model_config)
+        if ckpt is None:
             self.model.init_weights(torch.Generator().manual_seed(cfg.seed))
         self.model.to(self.device).train()
         if cfg.activation_checkpointing:
             apply_activation_checkpointing(self.model)
-        self._parallelize()
+        self.layout.parallelize(self.model)
         self.optimizer = build_optimizer(self.model, cfg)
-        self.balancer = Balancer(self.model, cfg.balance, num_bins=cfg.balance_bins, process_group=self._data_group(),
+        self.balancer = Balancer(self.model, cfg.balance, num_bins=cfg.balance_bins, process_group=self.layout.data_group,
                                  exact_thresholds=cfg.balance_exact_thresholds, ema=cfg.balance_ema)  # fmt: skip
         self.step, self.nonfinite_total, self.nonfinite_run, self.tokens_seen = 0, 0, 0, 0
-        if ckpt is not None:
-            state = self._load_trainer_state(ckpt)
+        if ckpt is not None:  # weights, moments, balancing state and RNG, resharded to this layout
+            state = load_checkpoint(ckpt, self.model, self.optimizer, self.balancer, self.layout)
             self.step = state["step"]
             self.nonfinite_total, self.tokens_seen = state["nonfinite_total"], state["tokens_seen"]
             self.data.load_state_dict(state["data"])
-            self.balancer.load_state_dict(state["balancer"])
             log(f"resumed {self.run_dir} at step {self.step} from {ckpt}")
         if cfg.resume:
             self._truncate_metrics(self.step)
-        if self._writes_run_files():
+        if self.layout.is_main:
             cfg.save(self.run_dir)
         text = self.model.text_config
         # The reported max_vio is a max over MoE layers, so its floor is too.
@@ -111,45 +117,6 @@ class Trainer:
                      f"from step 0 (metrics.jsonl is cut back to match)")  # fmt: skip
         return ckpt
 
-    # ---- hooks that the distributed trainer (train/distributed.py) overrides ----------------------------------
-    def _parallelize(self) -> None:
-        """Apply a parallel layout to the built model (before the optimizer sees its parameters)."""
-
-    def _writes_run_files(self) -> bool:
-        """Whether this process writes train_config.json and metrics.jsonl (one process of a multi-process run)."""
-        return True
-
-    def _data_group(self):
-        """The process group whose ranks hold distinct tokens (quantile-balancing statistics are summed over it)."""
-        return None
-
-    def _local_batch(self, b):
-        """This process's ForwardBatch and labels of a micro-batch, and the factor on its loss before backward."""
-        return ForwardBatch.from_rows(b.input_ids.to(self.device), b.doc_lens), b.labels.to(self.device), 1.0
-
-    def _global_loss(self, local: float) -> float:
-        return local
-
-    def _layout(self):
-        """(mesh, ParallelDims) of this process's parallel layout: none, in one process."""
-        from openk3.parallel.dims import ParallelDims
-
-        return None, ParallelDims()
-
-    def _load_trainer_state(self, ckpt: str) -> dict:
-        """Optimizer, RNG and trainer state of checkpoint `ckpt`. A checkpoint written by a multi-process run holds
-        its optimizer as a torch.distributed.checkpoint folder, which loads at any layout, this one included."""
-        if os.path.isdir(os.path.join(ckpt, "optimizer-dcp")):
-            from openk3.parallel.checkpoint import load_optimizer
-
-            load_optimizer(self.model, self.optimizer, os.path.join(ckpt, "optimizer-dcp"), *self._layout())
-            with open(os.path.join(ckpt, "trainer_state.json"), encoding="utf-8") as f:
-                return json.load(f)
-        return load_trainer_files(ckpt, self.optimizer)
-
-    def _clip_gradients(self) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
-
     # ---- one optimizer step ----------------------------------------------------------------------------------
     def _autocast(self):
         cfg = self.cfg
@@ -169,16 +136,19 @@ class Trainer:
         start = time.perf_counter()
         batches = [self.data.next_train_batch(micro_rows, seq_len) for _ in range(cfg.accum_steps)]
         n_labels = sum(b.num_loss_tokens() for b in batches)
-        total = 0.0
+        # The loss is summed on the device in fp64 (each micro-batch's fp32 value exactly, in order) and read once
+        # per step together with the gradient norm: one host sync per step, none per micro-batch.
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for b in batches:
-            fb, labels, scale = self._local_batch(b)
+            fb, labels, scale = self.layout.local_batch(b)
             with self.balancer.collecting(), self._autocast():
                 logits = self.model.forward_batch(fb)
                 loss = lm_loss_sum(logits, labels.reshape(-1)) / max(n_labels, 1)
             (loss * scale).backward()
-            total += loss.item()
-        total = self._global_loss(total)
-        grad_norm = self._clip_gradients()
+            total += loss.detach().double()
+        self.layout.sum_over_ranks(total)
+        norm = self.layout.clip_gradients(self.model, cfg.grad_clip)
+        total, grad_norm = torch.stack([total, norm.to(torch.float64)]).tolist()
         finite = math.isfinite(total) and math.isfinite(grad_norm)
         row = {"step": step + 1, "loss": total, "lr": lr, "seq_len": seq_len, "grad_norm": grad_norm}
         if finite:
@@ -247,19 +217,12 @@ class Trainer:
             out["expert_load"] = self._last_loads
         return out
 
-    def _trainer_state(self) -> dict:
-        """What trainer_state.json holds besides the step, the optimizer and the RNG: data position, balancer state
-        and counters (JSON only)."""
-        return {
-            "data": self.data.state_dict(),
-            "balancer": _json_balancer(self.balancer.state_dict()),
-            "nonfinite_total": self.nonfinite_total,
-            "tokens_seen": self.tokens_seen,
-        }
-
     def save(self) -> str:
-        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self._trainer_state(),
-                               self.data.tokenizer, keep=self.cfg.keep_checkpoints)  # fmt: skip
+        """checkpoints/step-N at this layout: every rank writes its shards (train/checkpoint.py)."""
+        state = {"data": self.data.state_dict(), "nonfinite_total": self.nonfinite_total,
+                 "tokens_seen": self.tokens_seen}  # fmt: skip
+        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.balancer.state_dict(), state,
+                               self.data.tokenizer, keep=self.cfg.keep_checkpoints, layout=self.layout)  # fmt: skip
 
     # ---- metrics.jsonl -------------------------------------------------------------------------------------------
     @property
@@ -267,13 +230,15 @@ class Trainer:
         return os.path.join(self.run_dir, "metrics.jsonl")
 
     def _append_metrics(self, row: dict) -> None:
+        if not self.layout.is_main:
+            return
         with open(self._metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
 
     def _truncate_metrics(self, step: int) -> None:
         """Drop lines past the resumed step (written after the checkpoint by the interrupted run), and a line cut
         short by a kill."""
-        if not os.path.exists(self._metrics_path):
+        if not self.layout.is_main or not os.path.exists(self._metrics_path):
             return
         with open(self._metrics_path, encoding="utf-8") as f:
             rows = [line for line in f if _metrics_step(line) <= step]
@@ -295,10 +260,6 @@ def _metrics_step(line: str) -> float:
         return json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):
         return math.inf
-
-
-def _json_balancer(state: dict) -> dict:
-    return {k: (v.tolist() if torch.is_tensor(v) else v) for k, v in state.items()}
 
 
 def _progress(total: int, initial: int, enabled: bool):

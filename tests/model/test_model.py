@@ -220,6 +220,48 @@ def test_cache_holds_latent_not_expanded_heads(tiny):
     assert cache.nbytes() - before == 10 * per_token  # KDA state is fixed-size; only the MLA latent grows
 
 
+def test_absorbed_weights_follow_the_weight_version(tiny):
+    """Decode's fp32 W_uk/W_uv are computed once per kv_b_proj weight version: reused across steps, recomputed
+    after an in-place update (an optimizer step, a weight sync), a reload or a dtype change."""
+    import copy
+
+    from openk3.model.batch import ForwardBatch
+    from openk3.model.cache import MLACache
+
+    torch.manual_seed(3)
+    layer = copy.deepcopy(next(layer.self_attn for layer in tiny.model.layers if layer.kind == "mla"))
+    R = layer.kv_rank + layer.rope
+    x_TD = torch.randn(2, tiny.text_config.hidden_size)
+
+    def decode():
+        cache = MLACache([torch.randn(n, R, generator=torch.Generator().manual_seed(n)) for n in (3, 9)])
+        with torch.no_grad():
+            return layer(x_TD, ForwardBatch.from_lengths(torch.zeros(2, dtype=torch.long), [1, 1], cache), cache)
+
+    def expanded():  # the same step without the absorbed form: keys and values expanded from every latent
+        cache = MLACache([torch.randn(n, R, generator=torch.Generator().manual_seed(n)) for n in (3, 9)])
+        with torch.no_grad():
+            return layer(x_TD, ForwardBatch.from_lengths(torch.zeros(2, dtype=torch.long), [1, 1], cache,
+                                                         mode="extend"), cache)  # fmt: skip
+
+    first = decode()
+    w_uk = layer.absorbed()[0]
+    assert rel_rms(first, expanded()) <= 1e-5
+    assert layer.absorbed()[0] is w_uk and torch.equal(decode(), first)  # cached, not recomputed
+    saved = {k: v.clone() for k, v in layer.state_dict().items()}
+    with torch.no_grad():
+        layer.kv_b_proj.weight.mul_(1.5)
+    assert layer.absorbed()[0] is not w_uk and torch.equal(layer.absorbed()[0], 1.5 * w_uk)
+    changed = decode()
+    assert rel_rms(changed, first) > 1e-2 and rel_rms(changed, expanded()) <= 1e-5
+    layer.load_state_dict(saved)
+    assert torch.equal(layer.absorbed()[0], w_uk) and torch.equal(decode(), first)
+    reloaded = layer.absorbed()[0]
+    layer.to(torch.float64)
+    assert layer.absorbed()[0] is not reloaded and layer.absorbed()[0].dtype == torch.float32
+    assert torch.equal(layer.absorbed()[0], w_uk)
+
+
 def test_observer_sees_router_scores(tiny):
     seen = []
     moe = tiny.model.layers[1].block_sparse_moe
@@ -274,3 +316,67 @@ def test_gathered_and_grouped_expert_dispatch_agree(tiny, T):
     w = torch.rand(T, 2, generator=gen)
     with torch.no_grad():
         assert rel_rms(gathered_dispatch(z, idx, w, moe.experts), grouped_dispatch(z, idx, w, moe.experts)) <= 1e-6
+
+
+def test_kda_runs_the_branch_its_mode_names(tiny, monkeypatch):
+    """KimiDeltaAttention branches on `batch.mode`, not on the lengths: one token per sequence asked as EXTEND runs
+    the packed conv and the chunked op (equal to DECODE's step to rounding), VERIFY with G = 1 runs the verify op
+    and writes nothing, DECODE runs the step. Modes are inferred only as full / decode / extend and checked."""
+    import openk3.model.kda as kda_module
+    from openk3.model.batch import ForwardBatch, Mode
+    from openk3.model.cache import K3Cache
+
+    layer = tiny.model.layers[0].self_attn
+    calls: list[str] = []
+    for name in ("kda_step", "kda_chunked", "kda_verify", "short_conv", "short_conv_varlen", "short_conv_few"):
+        def spy(*args, _fn=getattr(kda_module, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(kda_module, name, spy)
+    gen = torch.Generator().manual_seed(9)
+    N, D = 3, tiny.text_config.hidden_size
+    x_ND = torch.randn(N, D, generator=gen)
+    start = K3Cache(tiny.config, N, torch.float32)
+    for t in vars(start.layers[0]).values():
+        t.normal_(generator=gen)
+
+    def run(mode):
+        cache = K3Cache(tiny.config, N, torch.float32)
+        cache.layers[0] = type(start.layers[0])(*(t.clone() for t in vars(start.layers[0]).values()))
+        cache.layers[0].record = lambda steps, pre: calls.append("record")
+        calls.clear()
+        batch = ForwardBatch.from_lengths(torch.zeros(N, dtype=torch.long), [1] * N, cache, mode=mode)
+        with torch.no_grad():
+            out = layer(x_ND, batch, cache.layers[0])
+        return out, cache.layers[0], list(calls)
+
+    decode, dec_state, dec_calls = run(None)
+    assert dec_calls.count("kda_step") == 1 and dec_calls.count("short_conv_few") == 3
+    assert "kda_chunked" not in dec_calls and "short_conv_varlen" not in dec_calls
+    extend, ext_state, ext_calls = run(Mode.EXTEND)
+    assert ext_calls.count("kda_chunked") == 1 and ext_calls.count("short_conv_varlen") == 3
+    assert "kda_step" not in ext_calls and "short_conv_few" not in ext_calls
+    assert rel_rms(extend, decode) <= 1e-5
+    def tensors(entry):
+        tails, state = entry.load()
+        return [*tails, state]
+
+    for a, b in zip(tensors(ext_state), tensors(dec_state), strict=True):
+        assert rel_rms(a, b) <= 1e-5
+    verify, ver_state, ver_calls = run("verify")
+    assert ver_calls.count("kda_verify") == 1 and ver_calls.count("record") == 1 and "kda_step" not in ver_calls
+    assert rel_rms(verify, decode) <= 1e-5
+    for a, b in zip(tensors(ver_state), tensors(start.layers[0]), strict=True):
+        assert torch.equal(a, b)  # verify writes no state
+    # Inference and checks at the builder.
+    ids = torch.zeros(4, dtype=torch.long)
+    assert ForwardBatch.from_lengths(ids, [2, 2]).mode is Mode.FULL
+    assert ForwardBatch.from_lengths(ids, [1, 1, 1, 1], start).mode is Mode.DECODE
+    assert ForwardBatch.from_lengths(ids, [3, 1], start).mode is Mode.EXTEND
+    with pytest.raises(ValueError, match="decode"):
+        ForwardBatch.from_lengths(ids, [3, 1], start, mode=Mode.DECODE)
+    with pytest.raises(ValueError, match="verify"):
+        ForwardBatch.from_lengths(ids, [3, 1], start, mode=Mode.VERIFY)
+    with pytest.raises(ValueError, match="needs a cache"):
+        ForwardBatch.from_lengths(ids, [2, 2], mode=Mode.EXTEND)

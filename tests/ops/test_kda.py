@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.kda import kda_chunked, kda_gate, kda_recurrent, kda_step
-from openk3.ops.kda.chunk import unit_lower_inverse
+from openk3.ops.kda import kda_chunked, kda_fold, kda_gate, kda_recurrent, kda_step, kda_verify
+from openk3.ops.kda.unit_lower import unit_lower_inverse, unit_lower_inverse_blocked, unit_lower_inverse_rows
 
 IMPLS = {"recurrent": kda_recurrent, "chunked": kda_chunked}
 LENGTHS = [1, 15, 16, 17, 63, 100, 1000]
@@ -264,14 +264,15 @@ def test_chunk_size_limit():
     assert o.isfinite().all() and rel_rms(o, o_ref) <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["saturated", "near_parallel_keys", "no_decay_parallel_keys"])
+@pytest.mark.parametrize("case", ["saturated", "saturated_at_bound", "near_parallel_keys", "no_decay_parallel_keys"])
 def test_unit_lower_inverse_matches_forward_substitution(case):
-    """The op's (I + L)^-1 against fp64 forward substitution on the L matrices that stress it (spec §4.3)."""
-    C, H, K = 16, 4, 32
+    """The three tile paths' (I + L)^-1 (reference solve, fp32 rows, bf16 path's block doubling) against fp64
+    forward substitution on the L matrices that stress them (spec §4.3)."""
+    C, H, K = 16, 8, 32
     gen = torch.Generator().manual_seed(40)
-    if case == "saturated":
+    if case.startswith("saturated"):
         k = F.normalize(torch.randn(H, C, K, generator=gen), dim=-1)
-        g = torch.full((H, C, K), -4.999)
+        g = torch.full((H, C, K), -5.0 if case == "saturated_at_bound" else -4.999)
     else:
         base = torch.randn(H, 1, K, generator=gen)
         k = F.normalize(base + 1e-3 * torch.randn(H, C, K, generator=gen), dim=-1)
@@ -285,10 +286,11 @@ def test_unit_lower_inverse_matches_forward_substitution(case):
     for i in range(C):
         Tinv_ref[:, i, i] = 1.0
         Tinv_ref[:, i] -= (L64[:, i, :, None] * Tinv_ref).sum(-2)
-    Tinv = unit_lower_inverse(L)
-    assert Tinv.isfinite().all()
-    assert torch.equal(Tinv.triu(1), torch.zeros_like(Tinv))
-    assert (Tinv - Tinv_ref).abs().max() <= 1e-6 * max(1.0, Tinv_ref.abs().max().item())
+    out = torch.full_like(L, float("nan"))  # the blocked form writes into a given buffer: every entry is set
+    for Tinv in (unit_lower_inverse(L), unit_lower_inverse_rows(L), unit_lower_inverse_blocked(L, out=out)):
+        assert Tinv.isfinite().all()
+        assert torch.equal(Tinv.triu(1), torch.zeros_like(Tinv))
+        assert (Tinv - Tinv_ref).abs().max() <= 1e-6 * max(1.0, Tinv_ref.abs().max().item())
 
 
 # 5. Gradients
@@ -456,6 +458,31 @@ def test_step_loop_is_bitwise_recurrent(v_dtype, one_thread):
         assert torch.equal(o_t, o_ref[:, t]), t
         state = new_state
     assert torch.equal(state, S_ref)
+
+
+@pytest.mark.parametrize("v_dtype", [torch.float32, torch.bfloat16])
+def test_verify_and_fold_are_bitwise_the_step_loop(v_dtype, one_thread):
+    """`kda_verify` runs G steps without touching the state, its outputs bitwise those of a `kda_step` loop (and so
+    of `kda_recurrent`); `kda_fold` of the first c_n recorded steps is bitwise the state after c_n plain steps, with
+    c_n = 0 keeping the state (spec/serving.md §4.4)."""
+    N, G, H, K, V = 4, 5, 2, 32, 16
+    q, k, v, g, beta = random_op_inputs(N, G, H, K, V, seed=120)
+    v = v.to(v_dtype)
+    h0 = make_params(N, H, K, V, seed=121)["h0"]
+    before = h0.clone()
+    o_NGHV, steps = kda_verify(q, k, v, g, beta, h0)
+    assert torch.equal(h0, before)
+    o_ref, _ = kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert o_NGHV.dtype == v_dtype and torch.equal(o_NGHV, o_ref)
+    state, snapshots = h0, [h0]
+    for t in range(G):
+        _, state = kda_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        snapshots.append(state)
+    consumed = torch.tensor([0, 1, 3, 5])
+    folded = kda_fold(steps, h0, consumed)
+    assert torch.equal(h0, before)
+    for n, c in enumerate(consumed.tolist()):
+        assert torch.equal(folded[n], snapshots[c][n]), (n, c)
 
 
 def test_step_matches_chunked_prefill():

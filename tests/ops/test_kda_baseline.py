@@ -1,4 +1,4 @@
-"""Tests for openk3.ops.kda.baselines: the pre-K3 log-space chunked algorithm gives the same results as the
+"""Tests for benchmarks/kda_baselines.py: the pre-K3 log-space chunked algorithm gives the same results as the
 token loop and the fast path (outputs, states, gradients), so the benchmark compares equal work.
 Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
 """
@@ -6,9 +6,9 @@ Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
 import pytest
 import torch
 import torch.nn.functional as F
+from kda_baselines import kda_chunked_logspace  # benchmarks/kda_baselines.py (pyproject's pytest pythonpath)
 
 from openk3.ops.kda import kda_chunked, kda_gate, kda_recurrent
-from openk3.ops.kda.baselines import kda_chunked_logspace
 from openk3.utils import rel_rms
 
 

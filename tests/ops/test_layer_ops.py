@@ -22,7 +22,8 @@ from openk3.ops import (
     short_conv_ref,
     situ_glu,
 )  # fmt: skip
-from openk3.ops.conv import short_conv_few
+from openk3.ops.attention.mla import absorbed_weights, mla_decode, mla_decode_ref
+from openk3.ops.conv import roll_tail, short_conv_few, short_conv_varlen
 from openk3.utils import rel_rms
 
 
@@ -124,6 +125,52 @@ def test_attention_kernel_matches_reference(Tq, Tk):
     assert rel_rms(batched[1], out) < 1e-6
 
 
+def test_attention_mask_replaces_the_causal_rule():
+    """An explicit mask (packed documents, cp shards) gives the reference's result, and a masked key never leaks:
+    the same result with huge finite values in the keys and values it hides."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(9, 2, n, generator=gen) for n in (16, 16, 8))
+    mask = torch.rand(9, 9, generator=gen) < 0.5
+    mask[torch.arange(9), torch.arange(9)] = True
+    hidden = torch.tensor([2, 6])  # keys no query may see
+    mask[:, hidden], mask[hidden, 0] = False, True  # every query row still sees at least one key
+    out = causal_attention(q, k, v, 0.25, mask)
+    assert rel_rms(out, causal_attention_ref(q, k, v, 0.25, mask)) < 1e-6
+    k2, v2 = k.clone(), v.clone()
+    k2[hidden], v2[hidden] = 1e6, -1e6  # large but finite scores: the mask, not the softmax, must drop them
+    assert torch.equal(causal_attention(q, k2, v2, 0.25, mask), out)
+
+
+def _mla_decode_inputs(lens, dtype, gen, H=3, nope=16, rope=8, r=24, Dv=12):
+    q_NHD = torch.randn(len(lens), H, nope + rope, generator=gen).to(dtype)
+    latents = [torch.randn(n, r + rope, generator=gen).to(dtype) for n in lens]
+    w = (torch.randn(H * (nope + Dv), r, generator=gen) * r**-0.5).to(dtype)
+    # Padding past each length holds huge finite values: they must get probability exactly 0.
+    block_NSR = torch.full((len(lens), max(lens), r + rope), 1e30, dtype=dtype)
+    for i, x in enumerate(latents):
+        block_NSR[i, : len(x)] = x
+    return q_NHD, latents, block_NSR, w, nope
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[1], [1, 37, 5, 64], [17, 1, 1, 100, 2]])
+def test_batched_absorbed_decode_matches_per_sequence_reference(lens, dtype):
+    gen = torch.Generator().manual_seed(len(lens))
+    q_NHD, latents, block_NSR, w, nope = _mla_decode_inputs(lens, dtype, gen)
+    scale = q_NHD.shape[-1] ** -0.5
+    out = mla_decode(q_NHD, block_NSR, torch.tensor(lens), *absorbed_weights(w, 3, nope), scale)
+    ref = mla_decode_ref(q_NHD, latents, w, nope, scale)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel_rms(out.float(), ref.float()) <= (1e-6 if dtype == torch.float32 else 1e-2)
+    # The absorbed form is the expanded attention rewritten: check the reference against keys and values expanded
+    # from the latents (the last query of a causal attention sees every key).
+    for i, x_SR in enumerate(latents):
+        kv = (x_SR.float()[:, :24] @ w.float().T).view(-1, 3, nope + 12)
+        k = torch.cat([kv[..., :nope], x_SR.float()[:, None, 24:].expand(-1, 3, 8)], -1)
+        expanded = causal_attention_ref(q_NHD[i : i + 1].float(), k, kv[..., nope:], scale)[0]
+        assert rel_rms(ref[i].float(), expanded) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 def test_router_bias_selects_but_does_not_weight():
     x, W = torch.randn(6, 16), torch.randn(8, 16)
     s = router_scores(x, W)
@@ -194,3 +241,69 @@ def test_short_conv_few_matches_short_conv(dtype, T):
     y, new_tail = short_conv_few(x, w, tail)
     assert torch.equal(new_tail, tail_ref)
     assert rel_rms(y.float(), y_ref.float()) <= (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def _padded(x_TC, lens):
+    """Right-pad packed sequences to [N, L, C] with garbage (the padded form must never read it)."""
+    rows = torch.split(x_TC, lens)
+    out = torch.full((len(lens), max(lens, default=0), x_TC.shape[-1]), 7.0, dtype=x_TC.dtype)
+    for n, r in enumerate(rows):
+        out[n, : len(r)] = r
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[5], [0], [1, 1, 1], [2048, 1, 1, 1], [0, 1, 2, 3, 17, 0], [2, 40, 1, 0, 9]])
+@pytest.mark.parametrize("with_tail", [False, True])
+def test_short_conv_varlen_is_bitwise_the_padded_form(lens, dtype, with_tail, one_thread):
+    """Packed sequences of any lengths (0, 1, shorter than W-1, one long chunk beside decodes), with or without
+    tails: outputs and new tails bitwise equal to `short_conv` on the right-padded rows (the training path relies
+    on it for an unchanged loss), and equal to the token-loop reference on [tail; x]. Extreme magnitudes included:
+    the packing must not mix sequences even where a leak would dominate."""
+    gen = torch.Generator().manual_seed(sum(lens) + len(lens))
+    N, C, W = len(lens), 12, 4
+    w = torch.randn(C, 1, W, generator=gen)
+    x_TC = torch.randn(sum(lens), C, generator=gen) * torch.tensor([1e4, 1e-30, 1.0]).repeat(C // 3)
+    x_TC = x_TC.to(dtype)
+    tail = (torch.randn(N, W - 1, C, generator=gen) * 1e3).to(dtype) if with_tail else None
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    y_TC, new_tail = short_conv_varlen(x_TC, w, cu, tail)
+    y_pad, tail_pad = short_conv(_padded(x_TC, lens), w, tail, torch.tensor(lens))
+    assert y_TC.dtype == dtype and new_tail.dtype == dtype and new_tail.shape == (N, W - 1, C)
+    assert torch.equal(y_TC, torch.cat([y_pad[n, :L] for n, L in enumerate(lens)]))
+    assert torch.equal(new_tail, tail_pad)
+    zeros = torch.zeros(N, W - 1, C, dtype=dtype)
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        start = zeros[n] if tail is None else tail[n]
+        ref = short_conv_ref(torch.cat([start, x_TC[a:b]]), w)[W - 1 :]
+        assert torch.equal(y_TC[a:b], ref) or rel_rms(y_TC[a:b].float(), ref.float()) <= 1e-6
+        assert torch.equal(new_tail[n], torch.cat([start, x_TC[a:b]])[-(W - 1) :])
+
+
+def test_short_conv_varlen_gradients_match_the_padded_form(one_thread):
+    """Training backpropagates through the packed conv: the gradients of x, the weight and the tails agree with
+    the padded form's (a different reduction layout for the weight, so to rounding)."""
+    gen = torch.Generator().manual_seed(5)
+    lens, C, W = [7, 0, 1, 2, 30], 9, 4
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    x = torch.randn(sum(lens), C, generator=gen, requires_grad=True)
+    w = torch.randn(C, 1, W, generator=gen, requires_grad=True)
+    tail = torch.randn(len(lens), W - 1, C, generator=gen, requires_grad=True)
+    dy = torch.randn(sum(lens), C, generator=gen)
+    y, t = short_conv_varlen(x, w, cu, tail)
+    grads = torch.autograd.grad((y * dy).sum() + t.sum(), (x, w, tail))
+    y_pad, t_pad = short_conv(_padded(x, lens), w, tail, torch.tensor(lens))
+    y_ref = torch.cat([y_pad[n, :L] for n, L in enumerate(lens)])
+    grads_ref = torch.autograd.grad((y_ref * dy).sum() + t_pad.sum(), (x, w, tail))
+    for g, g_ref in zip(grads, grads_ref):
+        assert rel_rms(g, g_ref) <= 1e-6
+
+
+def test_roll_tail_is_the_conv_tail_after_a_prefix():
+    gen = torch.Generator().manual_seed(6)
+    N, G, C, W = 4, 5, 6, 4
+    tail, x = torch.randn(N, W - 1, C, generator=gen), torch.randn(N, G, C, generator=gen)
+    used = torch.tensor([0, 1, 2, 5])
+    rolled = roll_tail(tail, x, used)
+    for n, c in enumerate(used.tolist()):
+        assert torch.equal(rolled[n], short_conv(x[n : n + 1, :c], torch.randn(C, 1, W), tail[n : n + 1])[1][0])

@@ -38,7 +38,7 @@ def cp_rank(rank: int, world: int, length: int):
     assert apply_context_parallel(model, cp) == 4
     x, y = ids(length)[:, :-1], ids(length)[:, 1:]
     batch = cp.shard(x, docs(length))
-    start, n = cp.layout.start, cp.layout.lengths[rank]
+    start, n = batch.context_parallel.start, batch.context_parallel.lengths[rank]
     logits = model.forward_batch(batch)
     loss = F.cross_entropy(logits, y[:, start : start + n].reshape(-1), reduction="sum") / y.numel()
     loss.backward()

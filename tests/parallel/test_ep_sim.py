@@ -3,13 +3,14 @@ its share with replicas; bytes are reported per rank."""
 
 import json
 
-from openk3.bench import ep as bench_ep
+import ep as bench_ep  # benchmarks/ep.py
 
 
 def test_ep_simulation_quick(tmp_path):
     out = tmp_path / "ep.json"
     assert bench_ep.main(["--quick", "--ranks", "8,32", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert (tmp_path / "ep.md").read_text().startswith("# Expert-parallel balance")
     assert result["experts"] == 896 and result["top_k"] == 16
     rows = {(r["ranks"], r["scheme"]): r for r in result["rows"]}
     for R in (8, 32):

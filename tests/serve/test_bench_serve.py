@@ -3,7 +3,7 @@ matches `k3 plan` exactly (the one target that is exact rather than timed)."""
 
 import json
 
-from openk3.bench import serve as bench_serve
+import serve as bench_serve  # benchmarks/serve.py
 
 
 def test_bench_serve_quick_writes_every_section(tmp_path):

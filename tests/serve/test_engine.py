@@ -177,3 +177,16 @@ def test_reported_cache_bytes_follow_the_plan_arithmetic(model):
     assert info["mla_bytes_per_token"] == plan.mla_bytes_per_token
     assert info["bytes_per_request"] == plan.fixed_bytes_per_request
     assert info["total_bytes"] >= info["mla_pool_bytes"] + info["num_slots"] * info["bytes_per_request"]
+
+
+def test_token_range_is_a_slice_of_tokens():
+    """The runner's input slice, read without concatenating prompt and output, across the boundary too."""
+    from openk3.serve.request import Request
+
+    for P in (1, 3, 5):
+        for O in (0, 1, 4):
+            req = Request("r", list(range(P)), SamplingParams())
+            req.output_token_ids = list(range(100, 100 + O))
+            for start in range(P + O + 1):
+                for end in range(start, P + O + 1):
+                    assert req.token_range(start, end) == req.tokens[start:end]

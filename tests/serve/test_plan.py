@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 import pytest
+import torch
 from conftest import PLAIN
 
 from openk3.cli import main
@@ -163,3 +164,22 @@ def test_cli_plan_bad_input(tmp_path, capsys):
     assert "config.json" in capsys.readouterr().err
     assert main(["plan", "--preset", "tiny", "--tp", "2"]) == 2
     assert "tp" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset, dtype", [("k3", torch.bfloat16), ("tiny", torch.bfloat16), ("tiny", torch.float32)])
+def test_allocated_pools_and_cache_measure_the_plan(preset, dtype):
+    """The serving pools and the contiguous cache are built from the same CacheSpecs the plan prices: their
+    allocated bytes (on meta for k3: no memory) match the plan to the byte."""
+    from openk3.model.cache import K3Cache
+    from openk3.serve.kv.block_pool import HybridPools
+
+    text = K3Config.preset(preset).text_config
+    plan = cache_plan(text, act_bytes=dtype.itemsize)
+    pools = HybridPools(text, num_blocks=3, block_size=5, num_slots=2, dtype=dtype, device="meta")
+    assert pools.mla_bytes_per_token() == plan.mla_bytes_per_token
+    assert pools.slot_bytes() == plan.fixed_bytes_per_request
+    assert pools.nbytes() == 3 * 5 * plan.mla_bytes_per_token + 2 * plan.fixed_bytes_per_request
+    cache = K3Cache(text, num_seqs=2, dtype=dtype, device="meta")
+    assert cache.nbytes() == 2 * plan.fixed_bytes_per_request
+    if preset == "k3":
+        assert (pools.mla_bytes_per_token(), pools.slot_bytes()) == (27_648, 449_372_160)  # spec §1.2

@@ -8,7 +8,7 @@ import pytest
 import torch
 from serve_helpers import greedy_reference, make_engine, random_prompt, run_to_end, tiny_model
 
-from openk3.model.batch import ForwardBatch
+from openk3.model.batch import ForwardBatch, Mode
 from openk3.ops.dispatch import kda_step
 from openk3.serve.request import Request, SamplingParams
 from openk3.serve.spec_decode import NgramProposer, accept, fold
@@ -47,24 +47,23 @@ def test_fold_is_bitwise_the_sequential_update_per_kda_layer(model, one_thread):
     layer = model.model.layers[0].self_attn  # a KDA layer (index 0 in the KDA pools)
     x_NGD = torch.randn(N, G, model.text_config.hidden_size, generator=gen)
     view = engine.manager.view(reqs, [G] * N, verify=True)
-    batch = ForwardBatch.from_lengths(torch.zeros(N * G, dtype=torch.long), [G] * N, view, verify=True)
+    batch = ForwardBatch.from_lengths(torch.zeros(N * G, dtype=torch.long), [G] * N, view, mode=Mode.VERIFY)
     out_verify = layer(x_NGD.reshape(N * G, -1), batch, view.layers[0]).view(N, G, -1)
     assert torch.equal(pools.state_NkSHKV, before_state) and torch.equal(pools.conv_Nk3SWP, before_conv)
-    records = view.records[0]
+    record = view.records[0]
     consumed = [1, 5, 3]
     slots = [r.slot for r in reqs]
-    fold(pools, slots, [records], consumed)  # this layer only: it is KDA layer 0 of the pools
+    fold(pools, slots, [record], consumed)  # this layer only: it is KDA layer 0 of the pools
     # (i) replaying the recorded inputs with the decode step
     state = before_state[0, slots]
     snapshots = []
     for t in range(G):
-        r = records[t]
-        _, state = kda_step(r.q_NHK, r.k_NHK, r.v_NHV, r.g_NHK, r.beta_NH, state)
+        _, state = kda_step(*record.steps.step(t), state)
         snapshots.append(state)
     for n, c in enumerate(consumed):
         assert torch.equal(pools.state_NkSHKV[0, slots[n]], snapshots[c - 1][n])
         for j in range(3):  # the tail is the last W-1 pre-conv rows up to step c, copied exactly
-            rows = torch.cat([before_conv[0, j, slots[n]], torch.stack([r.pre_conv_NP[j][n] for r in records])])
+            rows = torch.cat([before_conv[0, j, slots[n]], record.pre_conv_NGP[j][n]])
             assert torch.equal(pools.conv_Nk3SWP[0, j, slots[n]], rows[c : c + 3])
     # (ii) the layer's own plain decode path, one token at a time, on the same input rows
     engine2, reqs2 = _engine_with_slots(model, N)
@@ -96,11 +95,9 @@ def test_accept_rule_greedy():
     logits = torch.full((4, 10), -5.0)
     for j, t in enumerate([3, 4, 8, 1]):
         logits[j, t] = 5.0
-    req = Request("r", [0], SamplingParams())
-    greedy = lambda row: None
-    assert accept(logits, [3, 4, 8], req, greedy)[0] == [3, 4, 8, 1]  # all accepted + bonus
-    assert accept(logits, [3, 7, 8], req, greedy)[0] == [3, 4]  # second draft rejected, corrected
-    assert accept(logits, [0, 4, 8], req, greedy)[0] == [3]
+    assert accept(logits, None, [3, 4, 8], None)[0] == [3, 4, 8, 1]  # all accepted + bonus
+    assert accept(logits, None, [3, 7, 8], None)[0] == [3, 4]  # second draft rejected, corrected
+    assert accept(logits, None, [0, 4, 8], None)[0] == [3]
 
 
 def _repetitive_prompt(model, seed):
@@ -152,3 +149,52 @@ def test_speculative_sampling_is_seeded(model):
         engine.add_request({"prompt_token_ids": prompt}, params, request_id="a")
         runs.append(run_to_end(engine)["a"])
     assert runs[0] == runs[1] and len(runs[0]) == 12
+
+
+class _AlwaysDrafts:
+    """Proposes k copies of token 1 for every request (so every decode has drafts for the scheduler to cut)."""
+
+    def __call__(self, req, k):
+        return [1] * k
+
+    def update(self, req, drafted, accepted):
+        pass
+
+    def release(self, req):
+        pass
+
+
+def test_the_engine_drafts_and_the_scheduler_cuts_drafts_to_the_budget(model):
+    """Drafting happens outside `Scheduler.schedule` (it gets the drafts), which cuts each to what the step's token
+    budget leaves: a verified request's drafts are a prefix of what the proposer returned, never over budget, and
+    greedy tokens stay those of plain decoding."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    engine = make_engine(model, speculative_config=spec, hash_unit=16, block_size=32, max_num_batched_tokens=6)
+    engine.proposer = _AlwaysDrafts()
+    prompts = [random_prompt(8, seed=20 + i) for i in range(3)]
+    for i, p in enumerate(prompts):
+        engine.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=10), request_id=str(i))
+    schedule, seen = engine.scheduler.schedule, {"cut": 0, "verified": 0}
+
+    def recording(drafts):
+        plan = schedule(drafts)
+        assert plan.num_tokens <= 6
+        planned = {id(req): used for group in plan.verify.values() for req, used in group}
+        assert planned.keys() <= drafts.keys()
+        for key, proposed in drafts.items():
+            used = planned.get(key, [])
+            assert 1 <= len(proposed) <= 4 and used == proposed[: len(used)]
+            seen["cut"] += 0 < len(used) < len(proposed)
+        seen["verified"] += len(planned)
+        return plan
+
+    engine.scheduler.schedule = recording
+    spec_out = run_to_end(engine)
+    assert seen["verified"] >= 6 and seen["cut"] >= 3
+    plain = make_engine(model, hash_unit=16, block_size=32, max_num_batched_tokens=6)
+    for i, p in enumerate(prompts):
+        plain.add_request({"prompt_token_ids": p}, SamplingParams(max_tokens=10), request_id=str(i))
+    plain_out = run_to_end(plain)
+    for i, p in enumerate(prompts):
+        _, clear = greedy_reference(model, p, 10)
+        assert clear >= 4 and spec_out[str(i)][:clear] == plain_out[str(i)][:clear]

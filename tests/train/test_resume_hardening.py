@@ -11,13 +11,13 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from train_helpers import corpus, small_config  # noqa: F401 - corpus is the pytest fixture
 
 from openk3 import K3Config, K3ForCausalLM
 from openk3.cli import main
 from openk3.train import checkpoint
-from openk3.train.checkpoint import latest_checkpoint, resolve_checkpoint, save_checkpoint
+from openk3.train.balance import Balancer
+from openk3.train.checkpoint import latest_checkpoint, load_model, resolve_checkpoint, save_checkpoint
 from openk3.train.config import TrainConfig
 from openk3.train.optim import build_optimizer
 from openk3.train.trainer import Trainer
@@ -36,7 +36,7 @@ def pristine(corpus, tmp_path_factory):
     """An uninterrupted 4-step run with checkpoints at steps 2 and 4: (run folder, its losses, step 4's weights)."""
     run = tmp_path_factory.mktemp("pristine") / "run"
     Trainer(_cfg(corpus, run), log=lambda *a: None).run()
-    weights = load_file(os.path.join(run, "checkpoints", "step-00000004", "model.safetensors"))
+    weights = load_model(os.path.join(run, "checkpoints", "step-00000004"))[0].state_dict()
     return str(run), [r["loss"] for r in _rows(run)], weights
 
 
@@ -50,12 +50,16 @@ def _write(path, text):
         f.write(text)
 
 
+SHARDS = "__0_0.distcp"  # the one process's DCP shard file: weights, optimizer moments, balancer, RNG
 DAMAGE = {  # what to do to step-00000004 (the one `latest` names), and what the warning must say
-    "model truncated": (lambda d: _truncate(os.path.join(d, "model.safetensors")), "model.safetensors"),
-    "optimizer truncated": (lambda d: _truncate(os.path.join(d, "optimizer.safetensors")), "optimizer.safetensors"),
+    "shards truncated": (lambda d: _truncate(os.path.join(d, SHARDS)), f"{SHARDS}: cut short"),
+    "metadata truncated": (lambda d: _truncate(os.path.join(d, ".metadata")), ".metadata"),
+    "metadata empty": (lambda d: _write(os.path.join(d, ".metadata"), ""), ".metadata"),
     "state truncated": (lambda d: _truncate(os.path.join(d, "trainer_state.json")), "trainer_state.json"),
     "state invalid": (lambda d: _write(os.path.join(d, "trainer_state.json"), "{not json"), "trainer_state.json"),
-    "file missing": (lambda d: os.remove(os.path.join(d, "optimizer.safetensors")), "optimizer.safetensors is missing"),
+    "file missing": (lambda d: os.remove(os.path.join(d, SHARDS)), f"{SHARDS} is missing"),
+    "metadata missing": (lambda d: os.remove(os.path.join(d, ".metadata")), ".metadata is missing"),
+    "config missing": (lambda d: os.remove(os.path.join(d, "config.json")), "config.json is missing"),
     "folder missing": (shutil.rmtree, "does not exist"),
 }
 
@@ -81,7 +85,7 @@ def test_damaged_latest_falls_back_to_the_newest_good_checkpoint(pristine, tmp_p
     assert any(bad in w and DAMAGE[kind][1] in w for w in warnings), warnings
 
 
-@pytest.mark.parametrize("kind", ["model truncated", "folder missing"])
+@pytest.mark.parametrize("kind", ["shards truncated", "folder missing"])
 def test_resume_past_a_damaged_checkpoint_continues_exactly(corpus, pristine, tmp_path, kind):
     """Resume from step 2 (step 4 damaged): the metrics rows past step 2 are dropped, steps 3-4 rerun with the
     uninterrupted run's losses and weights, and the next save prunes the damaged folder, not the good one."""
@@ -93,7 +97,7 @@ def test_resume_past_a_damaged_checkpoint_continues_exactly(corpus, pristine, tm
     trainer.run()
     assert [r["loss"] for r in _rows(run)] == pristine[1]
     latest = latest_checkpoint(run)
-    weights = load_file(os.path.join(latest, "model.safetensors"))
+    weights = load_model(latest)[0].state_dict()
     assert weights.keys() == pristine[2].keys() and all(torch.equal(weights[k], pristine[2][k]) for k in weights)
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["latest", "step-00000002", os.path.basename(latest)]
 
@@ -128,7 +132,7 @@ def test_kill_in_the_first_save_restarts_from_step_zero(corpus, tmp_path, monkey
 
 def test_no_good_checkpoint_restarts_from_step_zero(corpus, pristine, tmp_path):
     run = _damaged_copy(pristine, tmp_path, "state invalid")
-    _truncate(os.path.join(run, "checkpoints", "step-00000002", "model.safetensors"))
+    _truncate(os.path.join(run, "checkpoints", "step-00000002", SHARDS))
     logs = []
     trainer = Trainer(_cfg(corpus, run, resume=True), log=logs.append)
     assert trainer.step == 0 and not os.path.getsize(os.path.join(run, "metrics.jsonl"))
@@ -155,8 +159,46 @@ def test_checkpoint_files_honour_the_umask(tmp_path):
     opt = build_optimizer(model, TrainConfig())
     old = os.umask(0o027)
     try:
-        path = save_checkpoint(str(tmp_path), 1, model, opt, {})
+        path = save_checkpoint(str(tmp_path), 1, model, opt, Balancer(model, "quantile").state_dict(), {})
     finally:
         os.umask(old)
     modes = {name: os.stat(os.path.join(path, name)).st_mode & 0o777 for name in os.listdir(path)}
-    assert modes and all(mode == 0o640 for mode in modes.values()), modes
+    assert {".metadata", SHARDS, "config.json", "trainer_state.json"} <= modes.keys(), modes
+    assert all(mode == 0o640 for mode in modes.values()), modes
+
+
+class _RunsCode:
+    """A pickle payload that would call os.getpid (harmless here) when unpickled by plain pickle.load."""
+
+    def __reduce__(self):
+        return (os.getpid, ())
+
+
+def test_a_hostile_checkpoint_pickle_is_refused_not_run(pristine, tmp_path):
+    """DCP's .metadata is a pickle and its non-tensor items are torch.load blobs: a crafted one must be refused by
+    name (by the check, by resume, by load_model), never executed."""
+    import pickle
+
+    from openk3.parallel.checkpoint import SafePlanner, storage_problem
+
+    run = str(tmp_path / "run")
+    shutil.copytree(pristine[0], run)
+    step = os.path.join(run, "checkpoints", "step-00000004")
+    with open(os.path.join(step, ".metadata"), "wb") as f:
+        pickle.dump(_RunsCode(), f)
+    assert "posix.getpid, which a DCP checkpoint never holds" in storage_problem(step)
+    warnings = []
+    assert latest_checkpoint(run, warn=warnings.append) == os.path.join(run, "checkpoints", "step-00000002")
+    assert any("never holds" in w for w in warnings), warnings
+    with pytest.raises(ValueError, match="never holds"):
+        load_model(step)
+    # A non-tensor item (optimizer param groups are stored this way) goes through torch.load(weights_only=True).
+    import io
+
+    blob = io.BytesIO()
+    torch.save(_RunsCode(), blob)
+    blob.seek(0)
+    planner = SafePlanner()
+    planner.flatten_state_dict, planner.state_dict = False, {}
+    with pytest.raises(pickle.UnpicklingError):
+        planner.load_bytes(type("Item", (), {"dest_index": type("I", (), {"fqn": "x"})()})(), blob)

@@ -19,7 +19,10 @@ from train_helpers import QUIET, corpus, small_config  # noqa: F401 - corpus is 
 
 from openk3 import K3ForCausalLM
 from openk3.cli import main
-from openk3.train.checkpoint import latest_checkpoint
+from openk3.model.model import keeps_fp32
+from openk3.train.balance import Balancer
+from openk3.train.checkpoint import latest_checkpoint, load_checkpoint, load_model
+from openk3.train.optim import build_optimizer
 from openk3.train.config import TrainConfig
 from openk3.train.trainer import NonFiniteError, Trainer
 
@@ -33,7 +36,8 @@ def _losses(run):
 
 
 def _weights(run):
-    return load_file(os.path.join(latest_checkpoint(run), "model.safetensors"))
+    """The latest checkpoint's weights (DCP, read in this one process) under the model's names."""
+    return load_model(latest_checkpoint(run))[0].state_dict()
 
 
 def test_resume_continues_exactly(corpus, tmp_path):
@@ -44,8 +48,8 @@ def test_resume_continues_exactly(corpus, tmp_path):
     assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
     wa, wb = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    # The router bias moved (quantile balancing) and is saved under its official name.
-    bias = [v for k, v in wb.items() if k.endswith("gate.e_score_correction_bias")]
+    # The router bias moved (quantile balancing) and is in the checkpoint.
+    bias = [v for k, v in wb.items() if k.endswith("e_score_correction_bias")]
     assert bias and all(b.abs().sum() > 0 for b in bias)
 
 
@@ -119,9 +123,8 @@ def test_nonfinite_steps_are_skipped_then_stop(corpus, tmp_path, monkeypatch):
     with pytest.raises(NonFiniteError, match="3 non-finite steps in a row"):
         trainer.run()
     assert trainer.nonfinite_total == 4 and trainer.step == 6
-    ckpt = latest_checkpoint(str(tmp_path))
-    weights = load_file(os.path.join(ckpt, "model.safetensors"))
-    assert all(torch.isfinite(w).all() for w in weights.values())
+    weights = _weights(str(tmp_path))
+    assert weights and all(torch.isfinite(w).all() for w in weights.values())
     with open(tmp_path / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [r.get("skipped", False) for r in rows] == [False, True, False, True, True, True]
@@ -173,7 +176,7 @@ def test_synthetic_task_and_bf16_autocast(tmp_path):
         runs[precision] = (_losses(tmp_path / precision), last)
     (fp32, last32), (bf16, last16) = runs["fp32"], runs["bf16"]
     assert len(fp32) == len(bf16) == 2
-    vocab = K3ForCausalLM.from_pretrained(latest_checkpoint(str(tmp_path / "bf16"))).text_config.vocab_size
+    vocab = load_model(str(tmp_path / "bf16"))[0].text_config.vocab_size
     assert abs(fp32[0] - math.log(vocab)) < 0.2
     for a, b in zip(fp32, bf16):
         assert a != b and abs(a - b) <= 1e-2 * a, (fp32, bf16)
@@ -183,6 +186,8 @@ def test_synthetic_task_and_bf16_autocast(tmp_path):
 
 
 def test_export_writes_release_dtypes(corpus, tmp_path):
+    """`k3 export` reads the DCP checkpoint offline, in one process: the release files hold its weights in bf16
+    with the fp32 tensors kept, under the official names; a run folder exports its latest checkpoint."""
     Trainer(_cfg(corpus, tmp_path / "run", steps=1), log=lambda *a: None).run()
     ckpt = latest_checkpoint(str(tmp_path / "run"))
     assert main(["export", "--ckpt", ckpt, "--out", str(tmp_path / "release")]) == 0
@@ -190,12 +195,20 @@ def test_export_writes_release_dtypes(corpus, tmp_path):
     for name, t in tensors.items():
         fp32 = name.endswith(("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias"))
         assert t.dtype == (torch.float32 if fp32 else torch.bfloat16), name
-    K3ForCausalLM.from_pretrained(tmp_path / "release")
+    release = K3ForCausalLM.from_pretrained(tmp_path / "release", dtype=torch.float32).state_dict()
+    trained = _weights(str(tmp_path / "run"))
+    assert release.keys() == trained.keys()
+    for name, w in trained.items():
+        assert torch.equal(release[name], w if keeps_fp32(name) else w.bfloat16().float()), name
+    assert main(["export", "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "from-run")]) == 0
+    again = load_file(tmp_path / "from-run" / "model.safetensors")
+    assert again.keys() == tensors.keys() and all(torch.equal(again[k], tensors[k]) for k in tensors)
 
 
 _SAVER = """
 import sys, torch
 from openk3 import K3Config, K3ForCausalLM
+from openk3.train.balance import Balancer
 from openk3.train.checkpoint import save_checkpoint
 from openk3.train.optim import build_optimizer
 from openk3.train.config import TrainConfig
@@ -204,9 +217,10 @@ model.init_random_weights(0)
 opt = build_optimizer(model, TrainConfig())
 model(torch.randint(0, 700, (1, 8))).sum().backward()
 opt.step()
+balancer = Balancer(model, "quantile").state_dict()
 step = 1
 while True:
-    save_checkpoint(sys.argv[1], step, model, opt, {"marker": step}, keep=2)
+    save_checkpoint(sys.argv[1], step, model, opt, balancer, {"marker": step}, keep=2)
     print(step, flush=True)
     step += 1
 """
@@ -231,9 +245,11 @@ def test_kill_during_save_never_damages_the_last_checkpoint(tmp_path):
         with open(os.path.join(path, "trainer_state.json")) as f:
             state = json.load(f)
         assert os.path.basename(path).split("-r")[0] == f"step-{state['marker']:08d}"  # -rN: a re-saved step
-        model = K3ForCausalLM.from_pretrained(path)
+        model = load_model(path)[0]
         assert all(torch.isfinite(p).all() for p in model.parameters())
-        assert load_file(os.path.join(path, "optimizer.safetensors"))
+        opt = build_optimizer(model, TrainConfig())
+        load_checkpoint(path, model, opt, Balancer(model, "quantile"))  # optimizer, balancer and RNG read back
+        assert opt.state and all(torch.isfinite(s["exp_avg"]).all() for s in opt.state.values() if "exp_avg" in s)
 
 
 def test_bpe_tokenizer_travels_with_the_checkpoint(corpus, tmp_path, capsys):

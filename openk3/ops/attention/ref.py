@@ -1,6 +1,8 @@
-"""Causal softmax attention for the MLA layers, per sequence, with a key prefix from a cache.
+"""Causal softmax attention for the MLA layers, with a key prefix from a cache or an explicit mask.
 
-Queries are the last Tq of the Tk key positions, so query i may see keys j <= Tk - Tq + i. q, k, v are upcast to
+Without a mask, queries are the last Tq of the Tk key positions, so query i may see keys j <= Tk - Tq + i. With a
+mask [..., Tq, Tk] (True = attend), the mask alone decides: packed documents, context-parallel shards and ragged
+cached contexts build theirs where they know the layout (model/mla.py, parallel/cp.py). q, k, v are upcast to
 fp32, the softmax is exact, and the output is rounded to v's dtype: the closest CPU match to FlashAttention-2's
 bf16-in / fp32-accumulate / bf16-out (spec/model.md §6). `causal_attention` uses PyTorch's SDPA kernel;
 `causal_attention_ref` is the same formula written out, the reference the kernel is tested against.
@@ -23,16 +25,14 @@ def _causal_mask(Tq: int, Tk: int, device: torch.device) -> torch.Tensor:
 
 @fp32_op
 def causal_attention(
-    q_TqHD: torch.Tensor, k_TkHD: torch.Tensor, v_TkHV: torch.Tensor, scale: float, segment_ids: torch.Tensor | None = None
+    q_TqHD: torch.Tensor, k_TkHD: torch.Tensor, v_TkHV: torch.Tensor, scale: float, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Leading batch dims are allowed: [..., T, H, D]. With `segment_ids` [..., T] (Tq == Tk), a query only sees
-    keys of its own segment: packed documents in one row attend within themselves."""
+    """Leading batch dims are allowed: [..., T, H, D]. `mask` [..., Tq, Tk] bool replaces the causal rule; every
+    query row must allow at least one key, and keys it masks must still be finite (0 · NaN is NaN)."""
     Tq, Tk = q_TqHD.shape[-3], k_TkHD.shape[-3]
     q, k, v = (t.float().transpose(-3, -2) for t in (q_TqHD, k_TkHD, v_TkHV))  # [..., H, T, D]
-    if segment_ids is not None:
-        same = segment_ids[..., :, None] == segment_ids[..., None, :]  # [..., T, T]
-        mask = (same & _causal_mask(Tq, Tk, q.device)).unsqueeze(-3)  # broadcast over heads
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if mask is not None:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(-3), scale=scale)  # over heads
     elif Tq == Tk:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:
@@ -41,9 +41,12 @@ def causal_attention(
 
 
 @fp32_op
-def causal_attention_ref(q_TqHD: torch.Tensor, k_TkHD: torch.Tensor, v_TkHV: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention_ref(
+    q_TqHD: torch.Tensor, k_TkHD: torch.Tensor, v_TkHV: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One sequence [T, H, D]; `mask` [Tq, Tk] as in `causal_attention`."""
     Tq, Tk = q_TqHD.shape[0], k_TkHD.shape[0]
+    allowed = _causal_mask(Tq, Tk, q_TqHD.device) if mask is None else mask
     scores_HTqTk = torch.einsum("qhd,khd->hqk", q_TqHD.float(), k_TkHD.float()) * scale
-    scores_HTqTk = scores_HTqTk.masked_fill(~_causal_mask(Tq, Tk, q_TqHD.device), float("-inf"))
-    p = torch.softmax(scores_HTqTk, dim=-1)
+    p = torch.softmax(torch.where(allowed, scores_HTqTk, float("-inf")), dim=-1)
     return torch.einsum("hqk,khv->qhv", p, v_TkHV.float()).to(v_TkHV.dtype)

@@ -37,9 +37,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from openk3.ops.kda.ref import _check_inputs, compute_dtype
-from openk3.ops.kda.tile_ref import check_tile, unit_lower_inverse
+from openk3.ops.kda.tile_ref import check_tile
+from openk3.ops.kda.unit_lower import unit_lower_inverse_rows
 
-__all__ = ["kda_chunked", "unit_lower_inverse"]
+__all__ = ["kda_chunked"]
 
 # Tiles per batched block in forward: 256 tokens amortise the per-op overhead of the block precompute.
 _BLOCK_TILES = 16
@@ -254,20 +255,6 @@ class TileBlock:
         torch.mul(v, beta, out=X[..., K:])
         self.Y = self.Tinv @ X
         self.Wn, self.Ut = self.Y[..., :K], self.Y[..., K:]
-
-
-def unit_lower_inverse_rows(L_NCC: torch.Tensor) -> torch.Tensor:
-    """(I + L)⁻¹ for strictly lower-triangular L [..., C, C] by forward substitution, one row at a time.
-
-    Row i = e_i − Σ_{j<i} L_ij · row j: no power series (spec §4.3), and row i depends only on rows ≤ i of L
-    (causality). Batched LAPACK triangular solves on thousands of 16×16 systems were slower and, with threads,
-    erratic (tens of times slower on some runs), so this runs C − 1 small batched steps instead.
-    """
-    C = L_NCC.shape[-1]
-    Tinv = torch.eye(C, dtype=L_NCC.dtype, device=L_NCC.device).expand_as(L_NCC).contiguous()
-    for i in range(1, C):
-        Tinv[..., i, :i] = -(L_NCC[..., i, :i, None] * Tinv[..., :i, :i]).sum(-2)
-    return Tinv
 
 
 def _entering_state(i: int, h, h0_SRKV, tiling: Tiling):

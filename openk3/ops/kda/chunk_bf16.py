@@ -45,7 +45,8 @@ import warnings
 
 import torch
 
-from openk3.ops.kda.chunk import _CHECKPOINT_TILES, run_chunked, unit_lower_inverse_rows
+from openk3.ops.kda.chunk import _CHECKPOINT_TILES, run_chunked
+from openk3.ops.kda.unit_lower import unit_lower_inverse_blocked, unit_lower_inverse_rows
 
 __all__ = ["kda_chunked_bf16"]
 
@@ -132,34 +133,6 @@ class _CompiledOperands:
 
 
 compiled_operands = _CompiledOperands()
-
-
-def block_unit_lower_inverse(L_NCC: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """(I + L)⁻¹ for strictly lower-triangular L [..., C, C], C a power of two, by block forward substitution.
-
-    Doubling the solved diagonal blocks: with T₁₁, T₂₂ the inverses of two adjacent s×s diagonal blocks,
-    the 2s×2s block inverse is [[T₁₁, 0], [−T₂₂ L₂₁ T₁₁, T₂₂]]. Exact (no power series, spec §4.3); row i still
-    depends only on rows ≤ i of L. log₂ C batched steps instead of C − 1 row steps.
-    """
-    C = L_NCC.shape[-1]
-    assert C & (C - 1) == 0, C
-    L = L_NCC.reshape(-1, C, C)
-    N = L.shape[0]
-    out = torch.empty_like(L_NCC) if out is None else out
-    T = out.view(N, C, C).copy_(torch.eye(C, dtype=L.dtype, device=L.device))
-    s = 1
-    while s < C:
-        T21 = _diagonal_blocks(T, s, s, 0)
-        T21.copy_(-(_diagonal_blocks(T, s, s, s) @ _diagonal_blocks(L, s, s, 0) @ _diagonal_blocks(T, s, 0, 0)))
-        s *= 2
-    return out
-
-
-def _diagonal_blocks(X_NCC: torch.Tensor, s: int, r0: int, c0: int) -> torch.Tensor:
-    """The s×s sub-block at (r0, c0) of every 2s×2s diagonal block of X, as a strided [N, C/2s, s, s] view."""
-    N, C, _ = X_NCC.shape
-    stride = (C * C, 2 * s * (C + 1), C, 1)
-    return X_NCC.as_strided((N, C // (2 * s), s, s), stride, X_NCC.storage_offset() + r0 * C + c0)
 
 
 class _Workspace:
@@ -277,7 +250,7 @@ def _chunk_block(ws: _Workspace, scale: float) -> torch.Tensor:
     torch.matmul(Qd, Ki.mT, out=ws.Pqk)
     L_kk = ws.L_kk.copy_(ws.Pkk).masked_fill_(ws.upper_strict, 0.0).mul_(beta)
     if C & (C - 1) == 0:
-        Tinv = block_unit_lower_inverse(L_kk, out=ws.Tinv)
+        Tinv = unit_lower_inverse_blocked(L_kk, out=ws.Tinv)
     else:
         Tinv = ws.Tinv.copy_(unit_lower_inverse_rows(L_kk))
     TinvB = torch.mul(Tinv, beta.mT, out=ws.TinvB)  # Tinv Diag(β)

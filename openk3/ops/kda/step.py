@@ -1,11 +1,18 @@
-"""KDA decode step: one token on a recurrent state (spec/kda.md §8).
+"""KDA decode step: one token on a recurrent state (spec/kda.md §8), and the two speculative-decoding ops built on
+it (spec/serving.md §4): `kda_verify` runs G decode steps per sequence without touching the caller's state and
+returns each step's inputs (`KDASteps`); `kda_fold` replays the first c_n of them onto a state.
 
 Owns `kda_step`. It runs `ref.recurrence_step`, the same function as every step of `kda_recurrent`, so a loop
 of `kda_step` is bitwise equal to `kda_recurrent` (spec §3 order: decay, delta write, read after write).
 It returns a new state and leaves its input untouched; an in-place slot-pool variant is for serving to add.
+Verify and fold call the same step function on the same [N, ...] operands (contiguous position-major slices), so a
+fold is bitwise the state the verify pass held after that many steps (spec/serving.md §4.4).
 
-Shapes: B batch (running sequences), H heads, K key dim, V value dim.
+Shapes: B or N batch (running sequences), G steps per sequence, H heads, K key dim, V value dim.
 """
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -38,3 +45,54 @@ def kda_step(
     )
     o_BHV, S_BHKV = recurrence_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, S_BHKV, scale)
     return o_BHV.to(v.dtype), S_BHKV
+
+
+@dataclass
+class KDASteps:
+    """The inputs of G consecutive decode steps of N sequences, position-major so that step t's [N, ...] operands
+    are contiguous blocks, as in decode: q^, k^ [G, N, H, K] (L2-normalised), v [G, N, H, V], the log-decay g
+    [G, N, H, K] and beta [G, N, H] after their activations."""
+
+    q_GNHK: torch.Tensor
+    k_GNHK: torch.Tensor
+    v_GNHV: torch.Tensor
+    g_GNHK: torch.Tensor
+    beta_GNH: torch.Tensor
+
+    def step(self, t: int) -> tuple[torch.Tensor, ...]:
+        return self.q_GNHK[t], self.k_GNHK[t], self.v_GNHV[t], self.g_GNHK[t], self.beta_GNH[t]
+
+
+StepFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def kda_verify(
+    q_NGHK: torch.Tensor,
+    k_NGHK: torch.Tensor,
+    v_NGHV: torch.Tensor,
+    g_NGHK: torch.Tensor,
+    beta_NGH: torch.Tensor,
+    state_NHKV: torch.Tensor,
+    step: StepFn = kda_step,
+) -> tuple[torch.Tensor, KDASteps]:
+    """G decode steps per sequence on a copy of `state_NHKV` (left untouched). Returns (o [N, G, H, V], the steps'
+    inputs for `kda_fold`). `step` is the decode-step implementation (ops.dispatch passes the one for the device);
+    the fold must use the same one."""
+    steps = KDASteps(*(x.transpose(0, 1).contiguous() for x in (q_NGHK, k_NGHK, v_NGHV, g_NGHK, beta_NGH)))
+    outs, state = [], state_NHKV
+    for t in range(q_NGHK.shape[1]):
+        o_NHV, state = step(*steps.step(t), state)
+        outs.append(o_NHV)
+    return torch.stack(outs, 1), steps
+
+
+def kda_fold(
+    steps: KDASteps, state_NHKV: torch.Tensor, consumed_N: torch.Tensor, step: StepFn = kda_step
+) -> torch.Tensor:
+    """The state after sequence n takes its first consumed_N[n] recorded steps (0 keeps its state): every step
+    runs on the whole batch, as in verify, and rows past their count keep their state."""
+    state = state_NHKV
+    for t in range(int(consumed_N.max()) if consumed_N.numel() else 0):
+        _, new = step(*steps.step(t), state)
+        state = torch.where((t < consumed_N)[:, None, None, None], new, state)
+    return state

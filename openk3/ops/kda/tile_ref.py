@@ -1,8 +1,9 @@
 """KDA tile reference: 16-token tiles with dense in-tile matmuls, one tile at a time (spec/kda.md §4.3, §5, §6).
 
 Owns `kda_chunked_tiles`, the readable tile-by-tile chunked op that the fast path (`chunk.kda_chunked`) is tested
-against, and `unit_lower_inverse`, the UT transform it uses. It must match `ref.kda_recurrent` (the specification)
-to fp32 rounding. It is kept for reading and testing; the model calls the fast path.
+against; its UT inverse is the reference triangular solve, `unit_lower.unit_lower_inverse`. It must match
+`ref.kda_recurrent` (the specification) to fp32 rounding. It is kept for reading and testing; the model calls the
+fast path.
 
 Math, per tile of C rows with entering state S₀, anchored at S₀ (cumsum restarts at the tile):
     Γ    = cumsum(g over the tile)                   Γ ≤ 0 and −Γ ≤ C·|lower_bound|
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from openk3.ops.kda.ref import run_sequences
+from openk3.ops.kda.unit_lower import unit_lower_inverse
 from openk3.utils import FP32_EXP_LIMIT
 
 
@@ -66,18 +68,6 @@ def check_tile(chunk_size: int, lower_bound: float) -> None:
             f"exp(chunk_size * |lower_bound|) = exp({chunk_size * abs(lower_bound):g}) overflows fp32; "
             f"need chunk_size * |lower_bound| < {FP32_EXP_LIMIT}"
         )
-
-
-def unit_lower_inverse(L_BHCC: torch.Tensor) -> torch.Tensor:
-    """(I + L)⁻¹ for strictly lower-triangular L, exact to rounding (triangular solve, no power series).
-
-    Row i of the result depends only on rows ≤ i of L, which the causality tests rely on.
-    """
-    C = L_BHCC.shape[-1]
-    eye_CC = torch.eye(C, dtype=L_BHCC.dtype, device=L_BHCC.device)
-    return torch.linalg.solve_triangular(
-        eye_CC + L_BHCC, eye_CC.expand_as(L_BHCC), upper=False, unitriangular=True
-    )
 
 
 def _to_tiles(x_BTHD: torch.Tensor, C: int) -> torch.Tensor:

@@ -20,27 +20,30 @@ from collections.abc import Callable
 
 import torch
 
+from openk3.model.cache import CONV_PROJECTIONS, STATE_DTYPE, cache_specs, layer_cache_spec
+
 
 class HybridPools:
+    """The pool tensors, shaped by the layers' `CacheSpec`s (model/cache.py), the geometry `k3 plan` prices."""
+
     def __init__(self, text_config, num_blocks: int, block_size: int, num_slots: int, dtype: torch.dtype, device):
-        la = text_config.linear_attn_config
+        specs = cache_specs(text_config, dtype)
         self.layer_slots: list[tuple[str, int]] = []  # model layer -> ("kda" | "mla", index into its pool)
         counts = {"kda": 0, "mla": 0}
-        for layer in range(text_config.num_hidden_layers):
-            kind = text_config.layer_kind(layer)
-            self.layer_slots.append((kind, counts[kind]))
-            counts[kind] += 1
+        for spec in specs:
+            self.layer_slots.append((spec.kind, counts[spec.kind]))
+            counts[spec.kind] += 1
         M, Nk = counts["mla"], counts["kda"]
-        H, K, W = la.num_heads, la.head_dim, la.short_conv_kernel_size
-        R = text_config.kv_lora_rank + text_config.qk_rope_head_dim
+        mla = layer_cache_spec(text_config, "mla", dtype)
+        kda = layer_cache_spec(text_config, "kda", dtype)
         self.block_size, self.num_blocks, self.num_slots = block_size, num_blocks, num_slots
         # Pages are never read before they are written (reads stop at each request's written length), so the
         # pool starts uninitialised; freed pages are NaN-poisoned by the manager to make that rule checkable.
         # Always normal tensors, even when built under inference_mode, so the pools can be updated in any mode.
         with torch.inference_mode(False):
-            self.latent_MNBR = torch.empty(M, num_blocks, block_size, R, dtype=dtype, device=device)
-            self.state_NkSHKV = torch.zeros(Nk, num_slots, H, K, K, dtype=torch.float32, device=device)
-            self.conv_Nk3SWP = torch.zeros(Nk, 3, num_slots, W - 1, H * K, dtype=dtype, device=device)
+            self.latent_MNBR = torch.empty(M, num_blocks, block_size, mla.latent_width, dtype=dtype, device=device)
+            self.state_NkSHKV = torch.zeros(Nk, num_slots, *kda.state_shape, dtype=STATE_DTYPE, device=device)
+            self.conv_Nk3SWP = torch.zeros(Nk, CONV_PROJECTIONS, num_slots, *kda.conv_shape, dtype=dtype, device=device)
 
     def mla_bytes_per_token(self) -> int:
         M, _, _, R = self.latent_MNBR.shape

@@ -1,5 +1,6 @@
-"""`k3 bench ep`: expert-parallel balance at K3 scale, simulated (issue #7): what each rank receives in the MoE
-all-to-all, with and without quantile balancing, and with a MoonEP-style plan of replicated hot experts.
+"""`k3 bench ep` (or `python benchmarks/ep.py`): expert-parallel balance at K3 scale, simulated (issue #7): what each
+rank receives in the MoE all-to-all, with and without quantile balancing, and with a MoonEP-style plan of replicated
+hot experts.
 
 Synthetic router (spec/balancing.md §2.7): per-token logits N(0, 1) plus a per-expert popularity offset N(0, σ_e²),
 scores = sigmoid. n = 896 experts, top-16, experts split evenly over R ∈ {8, 32, 64} ranks, S tokens per rank.
@@ -20,10 +21,9 @@ Legend: T tokens, E experts, R ranks, k experts per token.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
+from report import write_report
 
 from openk3.config import K3Config
 from openk3.train.balance import bias_bounds, quantile_histogram, recover_quantile_bias
@@ -69,13 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['ranks']:>5} {r['scheme']:9} {r['max_over_mean']:>13.3f} "
               f"{r['bytes_mean'] / 2**20:>13.2f} {r['bytes_max'] / 2**20:>13.2f} {r.get('replicas', 0):>8}")  # fmt: skip
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    md_path = os.path.splitext(args.out)[0] + ".md"
-    with open(md_path, "w") as f:
-        f.write(markdown(result, args))
-    print(f"wrote {args.out} and {md_path}")
+    write_report(result, args.out, markdown(result, args))
     return 0
 
 
@@ -132,3 +126,7 @@ def _moonep(idx_TK: torch.Tensor, E: int, R: int, tokens: int, latent: int) -> d
     mean_b, max_b = _traffic(dest.view(T, k), R, tokens, latent)
     return {"max_over_mean": (recv_R.max() / recv_R.mean()).item(), "bytes_mean": mean_b, "bytes_max": max_b,
             "replicas": int(replicas)}  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

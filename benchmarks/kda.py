@@ -1,13 +1,14 @@
-"""`k3 bench kda`: KDA speed on this machine against the matmul limit, the baselines and softmax attention (issue #3).
+"""`k3 bench kda` (or `python benchmarks/kda.py`): KDA speed on this machine against the matmul limit, the baselines
+and softmax attention (issue #3).
 
 Owns the CPU benchmark of the KDA ops: for each shape, length T, input dtype and mode (forward, forward+backward)
 it times the recurrent reference (`kda_recurrent`), the fast chunked path (`kda_chunked`; for bf16 inputs
 `kda_chunked_bf16`, the op with bf16 tile operands that issue #3's bf16 targets are about), the pre-K3 log-space
-baseline (`kda_chunked_logspace`), fla-core's pure-torch `naive_recurrent_kda` (loaded standalone, no triton) and
-causal softmax attention (`scaled_dot_product_attention`, same heads and width). It measures the machine's fp32 and
-bf16 matmul rates in the same run and reports each cell's achieved GFLOP/s as a fraction of them, peak memory
-(kernel VmHWM reset per cell), accuracy checks, and every target of the issue as measured / met. Cells that cannot
-run in the memory or time budget are kept, marked skipped with the reason.
+baseline (`kda_chunked_logspace` in kda_baselines.py), fla-core's pure-torch `naive_recurrent_kda` (loaded
+standalone, no triton) and causal softmax attention (`scaled_dot_product_attention`, same heads and width). It
+measures the machine's fp32 and bf16 matmul rates in the same run and reports each cell's achieved GFLOP/s as a
+fraction of them, peak memory (kernel VmHWM reset per cell), accuracy checks, and every target of the issue as
+measured / met. Cells that cannot run in the memory or time budget are kept, marked skipped with the reason.
 
 FLOP conventions (per head; C = 16 tile rows, matmul FLOPs only, elementwise work not counted):
     chunked fwd  per tile: 4C²K (A, Aqk) + 2C²(K+V) (Tinv X) + 2C²V (Aqk U) + 6CKV (W h, Qd h, Krᵀ U)
@@ -24,19 +25,18 @@ Shapes: B batch, T tokens, H heads, K key dim, V value dim, C tile rows.
 import argparse
 import ctypes
 import importlib.util
-import json
 import math
 import os
-import platform
 import re
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from kda_baselines import kda_chunked_logspace
+from report import dtype_name, load_info, machine_info, measure_matmul, write_report
 
 from openk3.ops.kda import kda_chunked, kda_gate, kda_recurrent
-from openk3.ops.kda.baselines import kda_chunked_logspace
 from openk3.ops.kda.chunk_bf16 import kda_chunked_bf16
 from openk3.utils import rel_rms, to_dtype
 
@@ -105,49 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     result["targets"] = evaluate_targets(cells, result)
     result["machine"]["load_after"] = load_info()
     print_table(cells)
-    write_results(result, args.out, markdown(result))
+    write_report(result, args.out, markdown(result))
     return 0
-
-
-def write_results(result: dict, out: str, report_md: str) -> None:
-    """Print each target's verdict, then write the JSON at `out` and the markdown report beside it."""
-    for t in result["targets"]:
-        verdict = "met" if t["met"] else "NOT met" if t["met"] is False else "n/a"
-        print(f"target: {t['target']}: {t['measured']} -> {verdict}")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    md_path = os.path.splitext(out)[0] + ".md"
-    with open(md_path, "w") as f:
-        f.write(report_md)
-    print(f"wrote {out} and {md_path}")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
-
-
-def machine_info() -> dict:
-    model = platform.processor()
-    try:
-        with os.popen("lscpu") as lscpu:
-            model = re.search(r"Model name:\s*(.+)", lscpu.read()).group(1).strip()
-    except (AttributeError, OSError):
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "python": platform.python_version(), "load_before": load_info()}  # fmt: skip
-
-
-def load_info() -> str:
-    """Load average and CPU pressure: other processes on a shared machine inflate times (noted in results)."""
-    parts = []
-    for path in ("/proc/loadavg", "/proc/pressure/cpu"):
-        try:
-            with open(path) as f:
-                parts.append(f.readline().rstrip("\n"))
-        except OSError:
-            pass
-    return " | ".join(parts)
 
 
 def load_fla_naive():
@@ -163,22 +122,6 @@ def load_fla_naive():
         return module.naive_recurrent_kda, None
     except Exception as e:  # any import failure only disables this comparison
         return None, f"fla-core naive_recurrent_kda not loadable: {type(e).__name__}: {e}"
-
-
-def measure_matmul(quick: bool, dtypes) -> dict:
-    """Best-of-N square GEMM rate per dtype (GFLOP/s): the limit each cell is compared against."""
-    n = 512 if quick else 2048
-    rates = {}
-    for dtype in dtypes:
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        a @ b
-        best = math.inf
-        for _ in range(3 if quick else 10):
-            t = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - t)
-        rates[dtype_name(dtype)] = 2 * n**3 / best / 1e9
-    return rates
 
 
 def skip_reason(path, mode, T, cfg, dtype, fla_reason, args) -> str | None:
@@ -455,3 +398,7 @@ def print_table(cells) -> None:
                   f"{c['peak_mib']:>7.0f}")  # fmt: skip
         else:
             print(f"{head}   skipped: {c['reason']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

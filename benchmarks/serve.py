@@ -1,4 +1,5 @@
-"""`k3 bench serve`: the inference engine's targets on this machine (issue #5), measured side by side in one run.
+"""`k3 bench serve` (or `python benchmarks/serve.py`): the inference engine's targets on this machine (issue #5),
+measured side by side in one run.
 
 Sections, each against its own baseline in the same run:
 - cache arithmetic: bytes per token and per request read from the engine's allocated pools against `k3 plan`'s
@@ -29,8 +30,8 @@ import statistics
 import time
 
 import torch
+from report import load_info, machine_info, measure_matmul, write_report
 
-from openk3.bench.kda import load_info, machine_info, measure_matmul, write_results
 from openk3.config import K3Config
 from openk3.data.tokenizer import load_tokenizer
 from openk3.model.model import K3ForCausalLM
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     result["throughput"] = throughput_section(model, [1, 4] if args.quick else [1, 4, 16], quick=args.quick)
     result["targets"] = evaluate_targets(result)
     result["machine"]["load_after"] = load_info()
-    write_results(result, args.out, markdown(result))
+    write_report(result, args.out, markdown(result))
     return 0
 
 
@@ -216,10 +217,10 @@ def _spec_run(model, prompts, params, spec) -> dict:
 @torch.inference_mode()
 def speculative_section(ckpt: str | None, fallback, quick: bool) -> dict:
     if ckpt:
-        from openk3.train.checkpoint import resolve_checkpoint
+        from openk3.train.checkpoint import load_model
 
-        ckpt = resolve_checkpoint(ckpt)  # a training run folder: its latest checkpoint
-        model = K3ForCausalLM.from_pretrained(ckpt).eval()
+        model, ckpt = load_model(ckpt)  # a training run (its latest checkpoint), a checkpoint or a release folder
+        model.eval()
         tok = load_tokenizer(ckpt, model.text_config)
         # Repeated phrases: a 200-step tiny model continues these, while it does not yet copy whole passages.
         repetitive = [tok.encode(t) for t in ("x, " * 30, "'rc', " * 20, "the " * 30)]
@@ -266,14 +267,23 @@ def throughput_section(model, concurrency: list[int], quick: bool) -> dict:
         for i in range(c):
             engine.add_request({"prompt_token_ids": prompt_ids(prompt_len, 100 + i, vocab)},
                                SamplingParams(max_tokens=n, ignore_eos=True))  # fmt: skip
-        t, tokens = time.perf_counter(), 0
+        t, tokens, produced = time.perf_counter(), 0, {}
+        decode_start = decode_tokens_before = None  # when every request has its first token: decode only from there
         while engine.has_unfinished():
             for o in engine.step():
+                produced[o.request_id] = len(o.outputs[0].token_ids)
                 if o.finished:
                     tokens += len(o.outputs[0].token_ids)
-        elapsed = time.perf_counter() - t
-        out[str(c)] = {"requests": c, "output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
-        print(f"throughput at {c} concurrent: {tokens / elapsed:.1f} output tok/s ({elapsed:.1f} s)")
+            if decode_start is None and len(produced) == c:
+                decode_start, decode_tokens_before = time.perf_counter(), sum(produced.values())
+        now = time.perf_counter()
+        elapsed = now - t
+        decode_s = now - decode_start
+        decode_tok_s = (tokens - decode_tokens_before) / decode_s if decode_s > 0 else float("nan")
+        out[str(c)] = {"requests": c, "output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
+                       "decode_tok_s": decode_tok_s, "decode_seconds": decode_s}  # fmt: skip
+        print(f"throughput at {c} concurrent: {tokens / elapsed:.1f} output tok/s end to end, "
+              f"{decode_tok_s:.1f} decode-only ({elapsed:.1f} s)")
     return out
 
 
@@ -342,7 +352,13 @@ def markdown(r: dict) -> str:
         cell = r["speculative"][name]
         lines.append(f"| {name} | {cell['plain']['tok_s']:.1f} | {cell['ngram']['tok_s']:.1f} | {cell['speedup']:.2f}x | "
                      f"{cell['ngram']['acceptance_rate']:.0%} |")  # fmt: skip
-    lines += ["", "## Throughput", "", "| concurrent requests | output tok/s | seconds |", "|---:|---:|---:|"]
+    lines += ["", "## Throughput", "", "Decode-only counts the tokens after every request has its first one, over the time "
+              "after that point.", "", "| concurrent requests | output tok/s (end to end) | decode-only tok/s | seconds |",
+              "|---:|---:|---:|---:|"]  # fmt: skip
     for k, v in r["throughput"].items():
-        lines.append(f"| {k} | {v['tok_s']:.1f} | {v['seconds']:.1f} |")
+        lines.append(f"| {k} | {v['tok_s']:.1f} | {v.get('decode_tok_s', float('nan')):.1f} | {v['seconds']:.1f} |")
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,8 +1,9 @@
 """Pre-K3 chunked KDA baseline: 64-token chunks, diagonal 16-token sub-tiles evaluated pair by pair in log space.
 
-Owns `kda_chunked_logspace`, kept out of the model's code path so `k3 bench kda` can show what the gate's lower bound
-buys (spec/kda.md §4.2, §5). It is the algorithm FLA used before `safe_gate` (PR #703), written in PyTorch with
-autograd for its backward; same contract and outputs as `kda_recurrent` (tests/ops/test_kda_baseline.py).
+Owns `kda_chunked_logspace`, kept out of the package (no user calls it) so that `k3 bench kda` can show what the
+gate's lower bound buys (spec/kda.md §4.2, §5). It is the algorithm FLA used before `safe_gate` (PR #703), written
+in PyTorch with autograd for its backward; same contract and outputs as `kda_recurrent`
+(tests/ops/test_kda_baseline.py).
 
 Math, per 64-token chunk with entering state S₀ (Γ = cumsum of g inside the chunk):
     A[i, j] = Σ_d x_{i,d} k_{j,d} exp(Γ_{i,d} − Γ_{j,d})      x = k (A_kk, j < i) or scale·q (A_qk, j ≤ i)
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from openk3.ops.kda.ref import run_sequences
-from openk3.ops.kda.tile_ref import unit_lower_inverse
+from openk3.ops.kda.unit_lower import unit_lower_inverse
 
 CHUNK = 64
 SUBTILE = 16

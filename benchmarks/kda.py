@@ -49,7 +49,8 @@ GROWTH = {"recurrent": 1, "chunked": 1, "logspace": 1, "fla_naive": 1, "sdpa": 2
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="k3 bench kda", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes, one repetition (a few seconds; for tests)")
-    p.add_argument("--out", default="benchmarks/results/kda-cpu.json", help="JSON results path")
+    p.add_argument("--out", default=None, help="JSON results path (default: benchmarks/results/kda-cpu.json; with "
+                   "--quick runs/bench/kda-quick.json, so a quick run never replaces the committed results)")
     p.add_argument("--lengths", default=None, help="comma-separated T (default 512,2048,8192,32768)")
     p.add_argument("--dtype", default="fp32,bf16", help="input dtypes, comma-separated (fp32, bf16)")
     p.add_argument("--paths", default=",".join(PATHS), help="paths to run, comma-separated")
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-cell-gib", type=float, default=12.0, help="skip cells predicted to need more memory")
     args = p.parse_args(argv)
+    args.out = args.out or ("runs/bench/kda-quick.json" if args.quick else "benchmarks/results/kda-cpu.json")
 
     if args.quick:
         shapes = {"quick": dict(H=2, K=32, V=32, lengths=[64, 256])}

@@ -50,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default=None, help="decode contexts, comma-separated (default 512,16384)")
     p.add_argument("--decode-presets", default=None, help="presets of the decode section (default tiny,small)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--out", default="benchmarks/results/serve-cpu.json", help="JSON results path")
+    p.add_argument("--out", default=None, help="JSON results path (default: benchmarks/results/serve-cpu.json; "
+                   "with --quick runs/bench/serve-quick.json, so a quick run never replaces the committed results)")
     args = p.parse_args(argv)
+    args.out = args.out or ("runs/bench/serve-quick.json" if args.quick else "benchmarks/results/serve-cpu.json")
     if args.threads:
         torch.set_num_threads(args.threads)
     logging.getLogger("openk3.serve").setLevel(logging.WARNING)  # one cache line per engine would drown the table

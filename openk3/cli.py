@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -30,7 +31,7 @@ from openk3.data.tokenizer import load_tokenizer
 from openk3.model.model import K3ForCausalLM
 from openk3.serve.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S
 from openk3.train.flags import add_train_arguments, config_from_args
-from openk3.utils import to_dtype
+from openk3.utils import pick_threads, set_threads, to_dtype
 
 
 def _fmt(n: int) -> str:
@@ -99,6 +100,7 @@ def _generate(model: K3ForCausalLM, prompt: str, args, ckpt: str | None = None) 
 def cmd_generate(args) -> int:
     from openk3.train.checkpoint import load_model
 
+    _print_threads(args)
     model, ckpt = load_model(args.ckpt, dtype=to_dtype(args.dtype))
     _generate(model.eval(), args.prompt, args, ckpt)
     return 0
@@ -133,7 +135,9 @@ def cmd_serve(args) -> int:
     from openk3.serve.async_engine import AsyncLLM
     from openk3.serve.server import build_app
 
+    _print_threads(args)
     engine, template, _ = _engine_from_args(args)
+    print(f"k3 serve: {engine.cache_summary()}", file=sys.stderr)
     name = args.model_name or os.path.basename(os.path.normpath(args.ckpt))
     llm = AsyncLLM(engine, max_waiting=args.max_waiting)
     app = build_app(llm, name, template, max_body_bytes=args.max_body_bytes,
@@ -159,15 +163,39 @@ def cmd_serve(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    """An interactive terminal chat: streamed answers; /reset clears the history, /exit (or Ctrl-D) quits."""
+    """An interactive terminal chat: streamed answers; /reset clears the history, /exit (or Ctrl-D, Ctrl-C) quits."""
+    if args.show_template:  # the template only: no model is loaded
+        template = _template_of(args.ckpt, args.template_timeout)
+        print(f"{template.name}:\n{template.source}")
+        template.close()
+        return 0
+    _print_threads(args)
+    engine, template, _ = _engine_from_args(args)
+    try:
+        return _chat_loop(engine, template, args)
+    except KeyboardInterrupt:  # Ctrl-C: leave like /exit, without a traceback
+        print("\nk3 chat: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        template.close()
+
+
+def _template_of(ckpt: str, timeout_s: float):
+    """The chat template of `ckpt` (a checkpoint or a run: its newest good checkpoint), read without the weights."""
+    from openk3.data.chat import load_chat_template
+    from openk3.data.jinja_sandbox import SandboxedRenderer
+    from openk3.train.checkpoint import resolve_checkpoint
+
+    folder = resolve_checkpoint(ckpt)
+    tok = load_tokenizer(folder, K3Config.from_pretrained(folder).text_config)
+    return load_chat_template(folder, tok, SandboxedRenderer(timeout_s=timeout_s))
+
+
+def _chat_loop(engine, template, args) -> int:
     from openk3.data.chat import Message
     from openk3.serve.request import SamplingParams
     from openk3.serve.streaming import TextDelta
 
-    engine, template, _ = _engine_from_args(args)
-    if args.show_template:
-        print(f"{template.name}:\n{template.source}")
-        return 0
     history = [Message("system", args.system)] if args.system else []
     turn = 0
     print("k3 chat: type a message; /reset clears the conversation, /exit quits", file=sys.stderr)
@@ -219,6 +247,7 @@ def cmd_info(args) -> int:
 def cmd_demo(args) -> int:
     """Build a random tiny K3, save it, reload it and generate: the whole foundation in one command."""
     args.preset, args.max_shard_size, args.dtype = "tiny", None, None
+    _print_threads(args)
     cmd_init(args)
     model = K3ForCausalLM.from_pretrained(args.out).eval()
     print("reloaded; sample (random weights, so expect noise):")
@@ -234,6 +263,7 @@ def cmd_train(args) -> int:
     if args.nproc > 1:
         return _launch_torchrun(args.nproc, args.argv)
     cfg = config_from_args(args)
+    print(f"k3 train: {set_threads(cfg.threads)}", file=sys.stderr)
     try:
         trainer = Trainer(cfg)
         summary = trainer.run()
@@ -244,6 +274,8 @@ def cmd_train(args) -> int:
         keys = ("step", "loss", "val_loss", "unigram_loss", "mqar_acc", "needle_acc", "max_vio", "tokens_per_s", "mfu")
         print("final: " + ", ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}"
                                     for k in keys if k in summary))  # fmt: skip
+    if trainer.stopped_by is not None:  # saved and stopped cleanly; the shell convention: 128 + the signal
+        return 128 + trainer.stopped_by
     if trainer.step >= cfg.steps and cfg.sample_tokens > 0:
         print("sample:", repr(trainer.data.sample(trainer.model, cfg.sample_tokens)))
     return 0
@@ -264,7 +296,9 @@ def _launch_torchrun(nproc: int, argv: list[str]) -> int:
             rest.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "openk3.train", *rest]  # fmt: skip
-    return subprocess.call(cmd)
+    # torchrun would set OMP_NUM_THREADS=1 per process; the processes share the cores instead (--threads still wins).
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(pick_threads(None, nproc)[0])}
+    return subprocess.call(cmd, env=env)
 
 
 def cmd_plot(args) -> int:
@@ -333,6 +367,16 @@ def cmd_bench(args) -> int:
     return load_benchmark(args.which).main(args.rest)
 
 
+def _add_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: OMP_NUM_THREADS, else the physical cores available)")  # fmt: skip
+
+
+def _print_threads(args) -> None:
+    """Set the thread count of a model-running command and say it in the command's header (stderr)."""
+    print(f"k3 {args.command}: {set_threads(args.threads)}", file=sys.stderr)
+
+
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default="The Kimi K3 model")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -343,11 +387,35 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", choices=["ngram", "draft_model"], help="speculative decoding proposer")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--draft-ckpt", help="the draft model's checkpoint (with --speculative draft_model)")
+    _add_threads(p)
+
+
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, except where there is none to show (None, a switch's False, a required
+    flag) or the help already says it."""
+
+    @staticmethod
+    def _has_default(action) -> bool:
+        default = action.default
+        return not (default is None or default is False or default == argparse.SUPPRESS or action.required)
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        shows_default = self._has_default(action) and "default" not in help_text
+        return super()._get_help_string(action) if shows_default else help_text
+
+    def _format_action(self, action):
+        if not action.help and action.option_strings and self._has_default(action):  # a flag with no help text
+            action = argparse.Action(action.option_strings, action.dest, nargs=action.nargs, default=action.default,
+                                     choices=action.choices, metavar=action.metavar, help="(default: %(default)s)")  # fmt: skip
+        return super()._format_action(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="k3", description="openk3: the Kimi K3 model, training and serving")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=functools.partial(argparse.ArgumentParser,
+                                                               formatter_class=_DefaultsHelpFormatter))  # fmt: skip
 
     p = sub.add_parser("init", help="write a random checkpoint (config.json + safetensors) for testing")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
@@ -423,6 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--draft-ckpt")
         p.add_argument("--template-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                        help="seconds a checkpoint's chat template may render before it is stopped")  # fmt: skip
+        _add_threads(p)
         if name == "serve":
             p.add_argument("--host", default="127.0.0.1")
             p.add_argument("--port", type=int, default=8000)

@@ -255,13 +255,9 @@ class K3TextConfig(_JsonSection):
     dtype: str = "bfloat16"
     model_type: str = "kimi_linear"
     architectures: list[str] = field(default_factory=lambda: ["KimiLinearForCausalLM"])
-    auto_map: dict[str, str] = field(
-        default_factory=lambda: {
-            "AutoConfig": "configuration_kimi_k3.KimiLinearConfig",
-            "AutoModel": "modeling_kimi_linear.KimiLinearModel",
-            "AutoModelForCausalLM": "modeling_kimi_linear.KimiLinearForCausalLM",
-        }
-    )
+    # The release's auto_map names its modeling files (modeling_kimi_k3.py, ...), which a folder we write does not
+    # hold: a config read from a release keeps its own (so it round-trips byte for byte), one we build has none.
+    auto_map: dict[str, str] | None = field(default=None, metadata={"omit_if_none": True})
     transformers_version: str = "4.56.2"
     linear_attn_config: LinearAttnConfig = field(default_factory=LinearAttnConfig)
     quantization_config: QuantizationConfig | None = field(default=None, metadata={"omit_if_none": True})
@@ -386,13 +382,9 @@ class K3Config(_JsonSection):
     text_config: K3TextConfig = field(default_factory=K3TextConfig)
     vision_config: dict[str, Any] | None = field(default=None, metadata={"omit_if_none": True})
     architectures: list[str] = field(default_factory=lambda: ["KimiK3ForConditionalGeneration"])
-    auto_map: dict[str, str] = field(
-        default_factory=lambda: {
-            "AutoConfig": "configuration_kimi_k3.KimiK3Config",
-            "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
-            "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
-        }
-    )
+    # The release's auto_map names its modeling files (modeling_kimi_k3.py, ...), which a folder we write does not
+    # hold: a config read from a release keeps its own (so it round-trips byte for byte), one we build has none.
+    auto_map: dict[str, str] | None = field(default=None, metadata={"omit_if_none": True})
     bos_token_id: int | None = 163584
     eos_token_id: int | None = 163586
     pad_token_id: int | None = 163839

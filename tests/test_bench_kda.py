@@ -8,10 +8,16 @@ import kda as bench_kda  # benchmarks/kda.py (pyproject's pytest pythonpath)
 from openk3.cli import main as k3
 
 
-def test_bench_kda_quick_writes_every_cell(tmp_path):
-    out = tmp_path / "kda.json"
-    assert k3(["bench", "kda", "--quick", "--out", str(out)]) == 0
-    assert (tmp_path / "kda.md").read_text().startswith("# KDA CPU benchmark")
+def test_bench_kda_quick_writes_every_cell(tmp_path, monkeypatch):
+    """Without --out, --quick writes under runs/bench/, never over the committed benchmarks/results/kda-cpu.*."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    committed = tmp_path / "benchmarks" / "results" / "kda-cpu.json"
+    committed.write_text("committed")
+    assert k3(["bench", "kda", "--quick"]) == 0
+    assert committed.read_text() == "committed" and not (committed.parent / "kda-cpu.md").exists()
+    out = tmp_path / "runs" / "bench" / "kda-quick.json"
+    assert (tmp_path / "runs" / "bench" / "kda-quick.md").read_text().startswith("# KDA CPU benchmark")
     result = json.loads(out.read_text())
     assert {"machine", "matmul_gflops", "cells", "checks", "targets"} <= set(result)
     assert result["matmul_gflops"]["fp32"] > 0 and result["machine"]["torch"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -90,6 +91,15 @@ class K3Model(nn.Module):
             bank = attnres.close_block(bank, partial_TD, layer.block_start)  # as the layer did inside
             partial_TD = out_TD
         return self.norm(attnres.mix(bank, partial_TD, self.output_attn_res_norm, self.output_attn_res_proj))
+
+
+@dataclass
+class CausalLMOutput:
+    """`K3ForCausalLM.forward(..., labels=...)`'s result, with Hugging Face's CausalLMOutputWithPast names."""
+
+    logits: torch.Tensor  # [B, T, V]
+    loss: torch.Tensor | None = None  # scalar, fp32
+    past_key_values: K3Cache | None = None
 
 
 class K3ForCausalLM(nn.Module):
@@ -196,14 +206,38 @@ class K3ForCausalLM(nn.Module):
         return logits
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: K3Cache | None = None
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: K3Cache | None = None,
+        labels: torch.Tensor | None = None,
+        return_dict: bool = False,
+    ) -> torch.Tensor | CausalLMOutput:
         """input_ids [B, T] -> logits [B, T, V]; padded positions (attention_mask 0) get zero logits.
 
         `attention_mask` covers only the tokens of this call (the cache holds the rest); padding may sit anywhere,
-        the released convention is left padding. With a cache, row b continues cached sequence b."""
+        the released convention is left padding. With a cache, row b continues cached sequence b.
+
+        With `labels` [B, T] (or `return_dict=True`) the result is a `CausalLMOutput` as in Hugging Face: `.logits`,
+        `.loss` (the mean cross-entropy of logits[:, t] against labels[:, t + 1]; labels equal to config.ignore_index,
+        -100, are ignored: set padding to it) and `.past_key_values` (the cache passed in). Without either, the bare
+        logits tensor (what openk3's own callers use)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        logits = self._logits(input_ids, attention_mask, cache)
+        if labels is None and not return_dict:
+            return logits
+        loss = None
+        if labels is not None:
+            V = logits.shape[-1]
+            loss = nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, V),
+                                               labels[:, 1:].reshape(-1).to(logits.device),
+                                               ignore_index=self.config.ignore_index)  # fmt: skip
+        return CausalLMOutput(logits=logits, loss=loss, past_key_values=cache)
+
+    def _logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: K3Cache | None):
         B, T = input_ids.shape
         if attention_mask is None:
             batch = ForwardBatch.from_lengths(input_ids.reshape(-1), [T] * B, cache)

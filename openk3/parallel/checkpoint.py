@@ -108,6 +108,9 @@ def _optimizer_state(model: nn.Module, optimizers, mesh: DeviceMesh | None, dims
     if mesh is not None and dims.ep > 1:
         for name, entry in state["state"].items():
             if ".experts.w" in name:
+                # A copy: for a plain (non-FSDP) parameter this is the live optimizer's own state dict, and wrapping
+                # its moments in place would break the next optimizer step after a save.
+                entry = state["state"][name] = dict(entry)
                 for key, t in entry.items():
                     if isinstance(t, torch.Tensor) and t.dim() > 0:
                         entry[key] = DTensor.from_local(t, mesh, _expert_placements(dims), run_check=False)

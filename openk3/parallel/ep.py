@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.nn.functional import all_to_all_single
 
 from openk3.model.moe import GroupedExperts, StableLatentMoE, combine_topk
 from openk3.ops.situ import situ_glu
@@ -68,7 +67,7 @@ class AllToAllDispatcher:
         recv_R = self._exchange_counts(send_R)
         send, recv = send_R.tolist(), recv_R.tolist()
         rows_PL = z_TL[order_P // k]
-        recv_rows = all_to_all_single(rows_PL.new_empty(sum(recv), rows_PL.shape[-1]), rows_PL, recv, send, self.group)
+        recv_rows = _AllToAll.apply(rows_PL, recv, send, self.group)
         recv_expert = torch.empty(sum(recv), dtype=expert_P.dtype, device=expert_P.device)
         dist.all_to_all_single(recv_expert, expert_P.contiguous(), recv, send, group=self.group)
         local = recv_expert - self.rank * self.num_local
@@ -86,9 +85,26 @@ class AllToAllDispatcher:
             outs.append(_expert_forward(experts, 0, rows_sorted[:0], 1.0 / self.world))
         out_sorted = torch.cat(outs)
         out_recv = out_sorted[torch.argsort(by_expert)]
-        back_PL = all_to_all_single(rows_PL.new_empty(rows_PL.shape[0], out_recv.shape[-1]), out_recv, send, recv,
-                                    self.group)  # fmt: skip
+        back_PL = _AllToAll.apply(out_recv, send, recv, self.group)
         return combine_topk(back_PL[torch.argsort(order_P)], w_Tk, z_TL.dtype)
+
+
+class _AllToAll(torch.autograd.Function):
+    """`dist.all_to_all_single` of rows (`recv[r]` rows arrive from rank r, `send[r]` leave for it) whose backward
+    sends the gradients home by the reverse all-to-all. torch.distributed.nn.functional.all_to_all_single is the same
+    function but deprecated (a FutureWarning per call site and process); its suggested replacement, the private
+    functional collectives, returns asynchronous tensors."""
+
+    @staticmethod
+    def forward(ctx, x_NL: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        out_ML = x_NL.new_empty(sum(recv), *x_NL.shape[1:])
+        dist.all_to_all_single(out_ML, x_NL.contiguous(), recv, send, group=group)
+        return out_ML
+
+    @staticmethod
+    def backward(ctx, grad_ML: torch.Tensor):
+        return _AllToAll.apply(grad_ML.contiguous(), ctx.send, ctx.recv, ctx.group), None, None, None
 
 
 def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> int:

@@ -111,13 +111,17 @@ class LLMEngine:
         self.step_count = 0
         # Contained failures (a step that raised, or the caller's fail_all): how many, when the last was, and why.
         self.failed_steps, self.last_failure, self.last_error = 0, float("-inf"), None
+        log.debug("%s", self.cache_summary())  # `k3 serve` prints it in its header; every engine logging it is noise
+
+    def cache_summary(self) -> str:
+        """One line on the cache's pools, e.g. `cache: 512 MLA pages of 16 tokens (...)`."""
         info = self.cache_info()
-        log.info(
-            "cache: %d MLA pages of %d tokens (%s B per token, %.1f MiB), %d KDA state slots of %.2f MiB (%d for "
-            "running requests, %d for checkpoints)", info["num_blocks"], info["block_size"],
-            info["mla_bytes_per_token"], info["mla_pool_bytes"] / 2**20, info["num_slots"],
-            info["bytes_per_request"] / 2**20, self.config.max_num_seqs, self.config.max_num_checkpoints,
-        )  # fmt: skip
+        return (
+            f"cache: {info['num_blocks']} MLA pages of {info['block_size']} tokens ({info['mla_bytes_per_token']} B "
+            f"per token, {info['mla_pool_bytes'] / 2**20:.1f} MiB), {info['num_slots']} KDA state slots of "
+            f"{info['bytes_per_request'] / 2**20:.2f} MiB ({self.config.max_num_seqs} for running requests, "
+            f"{self.config.max_num_checkpoints} for checkpoints)"
+        )
 
     def cache_info(self) -> dict[str, int]:
         """The cache's memory, read from the allocated pools: MLA bytes per token, fixed KDA bytes per request."""

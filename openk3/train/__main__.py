@@ -15,8 +15,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from openk3.parallel.watchdog import bound_subgroup_timeouts, collective_watchdog
 from openk3.train.flags import add_train_arguments, config_from_args
 from openk3.train.trainer import Trainer
+from openk3.utils import set_threads
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 
@@ -26,9 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     add_train_arguments(parser)
     cfg = config_from_args(parser.parse_args(argv))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    # The processes on this machine share its cores (torchrun sets OMP_NUM_THREADS=1 unless it is set; `k3 train
+    # --nproc N` sets it to the cores / N).
+    threads = set_threads(cfg.threads, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"k3 train: {threads}", file=sys.stderr)
     if world == 1:  # a world of 1 needs no process group
-        Trainer(cfg).run()
-        return 0
+        trainer = Trainer(cfg)
+        trainer.run()
+        return 0 if trainer.stopped_by is None else 128 + trainer.stopped_by  # the shell convention after a signal
     use_cuda = torch.cuda.is_available() and cfg.device != "cpu"
     if use_cuda:
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -36,18 +44,27 @@ def main(argv: list[str] | None = None) -> int:
         cfg.device = f"cuda:{local}"
     else:
         cfg.device = "cpu"
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    # A collective that never completes (ranks disagreeing on what to call next) ends the run with an error after
-    # this many seconds instead of hanging forever; TORCH_DISTRIBUTED_DEBUG=DETAIL names the mismatched collectives.
-    timeout = timedelta(seconds=float(os.environ.get("OPENK3_COLLECTIVE_TIMEOUT_S", DEFAULT_COLLECTIVE_TIMEOUT_S)))
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    # A collective that never completes (ranks disagreeing on what to call next) ends the run after this many
+    # seconds with an error naming this rank, its step and the collective it waited in (parallel/watchdog.py).
+    timeout_s = float(os.environ.get("OPENK3_COLLECTIVE_TIMEOUT_S", DEFAULT_COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    bound_subgroup_timeouts(timedelta(seconds=timeout_s))
+    trainer: Trainer | None = None
+
+    def where() -> str:
+        if trainer is None:
+            return "while setting up (before step 1)"
+        return f"in step {trainer.step + 1} (or the evaluation/checkpoint after step {trainer.step})"
+
     try:
-        summary = Trainer(cfg).run()  # the layout (dp x ep x cp) comes from the process group and cfg
+        with collective_watchdog(where, timeout_s):
+            trainer = Trainer(cfg)
+            summary = trainer.run()  # the layout (dp x ep x cp) comes from the process group and cfg
         if dist.get_rank() == 0 and summary:
             print("final: " + ", ".join(f"{k}={v:.4g}" for k, v in summary.items() if isinstance(v, float)))
     finally:
         dist.destroy_process_group()
-    return 0
+    return 0 if trainer.stopped_by is None else 128 + trainer.stopped_by  # every rank stopped at the same step
 
 
 if __name__ == "__main__":

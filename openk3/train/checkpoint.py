@@ -49,6 +49,7 @@ from openk3.utils import open_permissions, read_json
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
+FIRST_SAVE_STEP = 10  # a run's early checkpoint (train/trainer.py), so one stopped in its first minutes can resume
 _STEP = re.compile(r"^step-(\d+)(?:-r(\d+))?$")  # step-00000100, or step-00000100-r1 for a re-saved step
 _log = logging.getLogger("openk3")
 
@@ -229,12 +230,19 @@ def latest_checkpoint(run_dir: str, warn: Callable[[str], None] = _log.warning) 
     return None
 
 
+RUN_FILES = (CHECKPOINTS, "train_config.json", "metrics.jsonl")  # what makes a folder a training run
+
+
 def resolve_checkpoint(path: str) -> str:
-    """A checkpoint folder, or a training run folder (its newest good checkpoint, see `latest_checkpoint`)."""
-    if os.path.isdir(os.path.join(path, CHECKPOINTS)):
+    """A checkpoint folder, or a training run folder (its newest good checkpoint, see `latest_checkpoint`). A run
+    with no complete checkpoint yet is an error, even when the folder also holds a model of another origin: loading
+    that one instead would silently serve or export something the run never trained."""
+    if any(os.path.exists(os.path.join(path, name)) for name in RUN_FILES):
         latest = latest_checkpoint(path)
         if latest is None:
-            raise FileNotFoundError(f"training run {path} has no complete checkpoint")
+            raise FileNotFoundError(f"training run {path} has no complete checkpoint yet (the first is saved at step "
+                                    f"{FIRST_SAVE_STEP}, then every --save-every steps); wait for it or pass a "
+                                    f"checkpoint folder")  # fmt: skip
         return latest
     return path
 

@@ -72,7 +72,8 @@ class TrainConfig:
     activation_checkpointing: bool = flag(False, "recompute activations in backward")
     eval_every: int = flag(50, "evaluate every N steps (and at the end)")
     eval_batches: int = flag(4, "validation batches per evaluation")
-    save_every: int = flag(100, "checkpoint every N steps (and at the end)")
+    save_every: int = flag(100, "checkpoint every N steps, and at step 10, on Ctrl-C/SIGTERM and at the "
+                           "end")
     keep_checkpoints: int = flag(2, "complete checkpoints to keep")
     # Training stops with a good checkpoint after this many.
     max_nonfinite: int = flag(5, "non-finite steps in a row before stopping")
@@ -82,6 +83,9 @@ class TrainConfig:
     dp: int = flag(1, "data-parallel degree (FSDP2); dp x ep x cp = the number of processes", launch=True)
     ep: int = flag(1, "expert-parallel degree (experts split over ranks, all-to-all dispatch)", launch=True)
     cp: int = flag(1, "context-parallel degree (contiguous sequence shards)", launch=True)
+    # A property of the machine, not the run: --resume on another machine picks its own default.
+    threads: int | None = flag(None, "torch CPU threads per process (default: OMP_NUM_THREADS, else the physical "
+                               "cores available / processes on this machine)", launch=True)  # fmt: skip
 
     def __post_init__(self) -> None:
         self.validate()
@@ -91,6 +95,8 @@ class TrainConfig:
             raise ValueError(f"--steps must be positive, got {self.steps}")
         if self.stop_after is not None and self.stop_after <= 0:
             raise ValueError(f"--stop-after must be positive, got {self.stop_after}")
+        if self.threads is not None and self.threads <= 0:
+            raise ValueError(f"--threads must be positive, got {self.threads}")
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:

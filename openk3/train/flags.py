@@ -42,8 +42,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         else:
             # Choices are shown as the metavar and checked by TrainConfig.validate (a ValueError naming the value).
             metavar = "{" + ",".join(meta["choices"]) + "}" if "choices" in meta else None
+            # The parser's default is None ("not given": on --resume the run's value applies), so --help shows the
+            # field's default in the text.
+            shown = f.default is not None and not meta.get("required", False)
+            help_text = f"{meta['help']} (default: {f.default})" if shown else meta["help"]
             p.add_argument(f"--{name}", dest=f.name, type=typ, default=None, required=meta.get("required", False),
-                           metavar=metavar, help=meta["help"])  # fmt: skip
+                           metavar=metavar, help=help_text)  # fmt: skip
 
 
 def config_from_args(args) -> TrainConfig:

@@ -7,7 +7,11 @@ Per optimizer step (no argument parsing here; `k3 train` maps flags onto `TrainC
     3. gradient clipping; a non-finite loss or gradient norm skips the step (counted, logged; training stops with
        the last good checkpoint after `max_nonfinite` in a row)
     4. `Balancer.step()` updates the router biases (quantile balancing by default), then `optimizer.step()`
-    5. one JSON line in metrics.jsonl; periodic evaluation and atomic checkpoints
+    5. one JSON line in metrics.jsonl; periodic evaluation and atomic checkpoints: every `save_every` steps, at the
+       end, once early (step FIRST_SAVE_STEP, so a run stopped in its first minutes can be resumed) and at the next
+       step boundary after SIGINT (Ctrl-C) or SIGTERM, which then ends the run cleanly (`stopped_by` names the
+       signal; another one REPEAT_GRACE_S later stops at once, without saving). Every rank stops at the same step:
+       the flag is all-reduced at each step boundary when the world is larger than 1.
 
 One Trainer for every layout: one process is a world of 1, and what differs between layouts (mesh, EP/CP/FSDP2,
 the rows each rank takes, the loss and gradient-norm reductions) is the `Layout` object (train/distributed.py).
@@ -23,6 +27,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import threading
 import time
 from contextlib import nullcontext
 
@@ -32,7 +38,7 @@ from openk3.config import K3Config
 from openk3.parallel.ac import apply_activation_checkpointing
 from openk3.parallel.dims import ParallelDims
 from openk3.train.balance import Balancer
-from openk3.train.checkpoint import build_model, latest_checkpoint, load_checkpoint, save_checkpoint
+from openk3.train.checkpoint import FIRST_SAVE_STEP, build_model, latest_checkpoint, load_checkpoint, save_checkpoint
 from openk3.train.config import TrainConfig
 from openk3.train.data import RunData
 from openk3.train.distributed import Layout
@@ -41,6 +47,10 @@ from openk3.train.loss import lm_loss_sum
 from openk3.train.metrics import random_routing_maxvio_floor
 from openk3.train.optim import build_optimizer, lr_at
 from openk3.train.throughput import matmul_gflops
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REPEAT_GRACE_S = 2.0  # a stop signal repeated within this many seconds is the same request (see _StopSignals)
 
 
 class NonFiniteError(RuntimeError):
@@ -79,6 +89,7 @@ class Trainer:
         self.balancer = Balancer(self.model, cfg.balance, num_bins=cfg.balance_bins, process_group=self.layout.data_group,
                                  exact_thresholds=cfg.balance_exact_thresholds, ema=cfg.balance_ema)  # fmt: skip
         self.step, self.nonfinite_total, self.nonfinite_run, self.tokens_seen = 0, 0, 0, 0
+        self.stopped_by: signal.Signals | None = None  # the signal that ended the last run(), if one did
         if ckpt is not None:  # weights, moments, balancing state and RNG, resharded to this layout
             state = load_checkpoint(ckpt, self.model, self.optimizer, self.balancer, self.layout)
             self.step = state["step"]
@@ -180,6 +191,8 @@ class Trainer:
         bar = _progress(total=cfg.steps, initial=self.step, enabled=cfg.progress)
         started = time.perf_counter()
         last_row: dict = {}
+        self.stopped_by = None
+        signals = _StopSignals(self.log).install()
         try:
             while self.step < stop:
                 row = self.train_step()
@@ -200,11 +213,28 @@ class Trainer:
                         f"{self.nonfinite_run} non-finite steps in a row (limit --max-nonfinite {cfg.max_nonfinite}); "
                         f"stopped at step {self.step} with the last good weights saved in {path}"
                     )
-                if self.step % cfg.save_every == 0 or self.step == stop:
-                    self.save()
+                stopping = self._agreed_stop(signals.received)
+                if (self.step % cfg.save_every == 0 or self.step == stop or stopping
+                        or (self.step == FIRST_SAVE_STEP < cfg.save_every)):  # fmt: skip
+                    path = self.save()
+                if stopping:
+                    self.stopped_by = signals.received or signal.SIGTERM  # SIGTERM: another rank's signal
+                    bar.close()
+                    self.log(f"stopped by {self.stopped_by.name} at step {self.step} of {cfg.steps}; checkpoint "
+                             f"saved in {path}; continue with: k3 train --out {self.run_dir} --resume")  # fmt: skip
+                    break
         finally:
+            signals.restore()
             bar.close()
         return last_row
+
+    def _agreed_stop(self, received: signal.Signals | None) -> bool:
+        """Whether to stop after this step: a stop signal reached this process or, on several ranks, any rank (one
+        tiny all-reduce per step, so every rank saves and stops at the same step)."""
+        if self.layout.world == 1:
+            return received is not None
+        flag = torch.tensor([0.0 if received is None else 1.0], device=self.device)
+        return self.layout.sum_over_ranks(flag).item() > 0
 
     def evaluate(self) -> dict:
         self.model.eval()
@@ -246,6 +276,39 @@ class Trainer:
         with open(tmp, "w", encoding="utf-8") as f:
             f.writelines(rows)
         os.replace(tmp, self._metrics_path)
+
+
+class _StopSignals:
+    """Between install() and restore(), SIGINT and SIGTERM are recorded in `received` for the loop to act on at the
+    next step boundary; another one more than REPEAT_GRACE_S later raises KeyboardInterrupt at once. Handlers go in
+    only in the main thread (Python allows no others); restore() puts the previous ones back."""
+
+    def __init__(self, log=print):
+        self.received: signal.Signals | None = None
+        self._first_at = 0.0
+        self._previous: dict = {}
+        self._log = log
+
+    def install(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            # A repeat within REPEAT_GRACE_S is the same request arriving twice (under torchrun a terminal's Ctrl-C
+            # reaches each worker directly and again through torchrun), not a second Ctrl-C.
+            if time.monotonic() - self._first_at > REPEAT_GRACE_S:
+                raise KeyboardInterrupt
+            return
+        self.received, self._first_at = signal.Signals(signum), time.monotonic()
+        self._log(f"\n{self.received.name}: saving a checkpoint at the end of this step (again to stop at once)")
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
 
 
 def _holds_run(run_dir: str) -> bool:

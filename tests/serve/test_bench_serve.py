@@ -6,9 +6,15 @@ import json
 import serve as bench_serve  # benchmarks/serve.py
 
 
-def test_bench_serve_quick_writes_every_section(tmp_path):
-    out = tmp_path / "serve.json"
-    assert bench_serve.main(["--quick", "--contexts", "64,256", "--out", str(out)]) == 0
+def test_bench_serve_quick_writes_every_section(tmp_path, monkeypatch):
+    """Without --out, --quick writes under runs/bench/, never over the committed benchmarks/results/serve-cpu.*."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    committed = tmp_path / "benchmarks" / "results" / "serve-cpu.json"
+    committed.write_text("committed")
+    assert bench_serve.main(["--quick", "--contexts", "64,256"]) == 0
+    assert committed.read_text() == "committed" and not (committed.parent / "serve-cpu.md").exists()
+    out = tmp_path / "runs" / "bench" / "serve-quick.json"
     result = json.loads(out.read_text())
     assert {"machine", "matmul_gflops", "cache", "decode", "ttft", "speculative", "throughput", "targets"} <= set(
         result
@@ -22,4 +28,4 @@ def test_bench_serve_quick_writes_every_section(tmp_path):
     assert result["ttft"]["hit_tokens"] == result["ttft"]["shared"]  # the checkpoint at the earlier prompt's end
     assert set(result["throughput"]) == {"1", "4"}
     assert all("target" in t and "measured" in t for t in result["targets"])
-    assert (tmp_path / "serve.md").read_text().startswith("# Serving benchmark")
+    assert (out.parent / "serve-quick.md").read_text().startswith("# Serving benchmark")

@@ -64,7 +64,9 @@ def test_stop_signals_restore_the_previous_handlers():
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_saves_stops_cleanly_and_resumes_exactly(corpus, tmp_path, sig, capsys):
     flags = ["--data", corpus, "--tokenizer", "byte", "--batch-size", "2", "--seq-len", "32", "--steps", "8",
-             "--eval-every", "100", "--no-progress", "--sample-tokens", "0"]  # fmt: skip
+             "--eval-every", "100", "--no-progress", "--sample-tokens", "0", "--threads", "1"]  # fmt: skip
+    # --threads 1 everywhere: the in-process runs and the subprocess must reduce in the same order (CI sets
+    # OMP_NUM_THREADS=2, and --threads is a launch flag that --resume does not inherit).
     assert main(["train", *flags, "--out", str(tmp_path / "whole")]) == 0
     whole = [r["loss"] for r in _rows(tmp_path / "whole")]
 
@@ -86,7 +88,7 @@ def test_signal_saves_stops_cleanly_and_resumes_exactly(corpus, tmp_path, sig, c
     assert 2 <= len(stopped) < 8 and stopped == list(range(1, len(stopped) + 1))
     assert _steps_saved(run) == [f"step-{len(stopped):08d}"]  # saved at the step it stopped after
 
-    assert main(["train", "--out", run, "--resume", "--no-progress"]) == 0
+    assert main(["train", "--out", run, "--resume", "--no-progress", "--threads", "1"]) == 0
     assert [r["step"] for r in _rows(run)] == list(range(1, 9))
     assert [r["loss"] for r in _rows(run)] == whole
 

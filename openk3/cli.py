@@ -192,11 +192,18 @@ def _template_of(ckpt: str, timeout_s: float):
 
 
 def _chat_loop(engine, template, args) -> int:
+    """The chat REPL. With K3's XTML format the history is OpenAI message dicts and each answer is parsed: reasoning
+    printed dimmed after `[thinking]`, then the content, then any tool calls (printed, not executed); a plain or
+    Jinja format streams the answer's text."""
     from openk3.data.chat import Message
     from openk3.serve.request import SamplingParams
-    from openk3.serve.streaming import TextDelta
 
-    history = [Message("system", args.system)] if args.system else []
+    xtml = template.supports_tools
+
+    def message(role: str, text: str):
+        return {"role": role, "content": text} if xtml else Message(role, text)
+
+    history = [message("system", args.system)] if args.system else []
     turn = 0
     print("k3 chat: type a message; /reset clears the conversation, /exit quits", file=sys.stderr)
     while True:
@@ -212,21 +219,57 @@ def _chat_loop(engine, template, args) -> int:
             continue
         if not line.strip():
             continue
-        history.append(Message("user", line))
+        history.append(message("user", line))
         params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed + turn, stop=template.stop)  # fmt: skip
         engine.add_request({"prompt_token_ids": template.encode(history)}, params, request_id=f"turn{turn}")
-        delta, text = TextDelta(params.stop), ""
         print("k3> ", end="", flush=True)
-        while engine.has_unfinished():
-            for out in engine.step():
-                sample = out.outputs[0]
-                text = sample.text
-                print(delta.update(text, sample.finish_reason is not None), end="", flush=True)
-        print()
+        reply = _print_xtml_answer(engine, template, params) if xtml else _print_text_answer(engine, params)
         engine.release_finished(f"turn{turn}")
-        history.append(Message("assistant", text))
+        history.append(reply if xtml else Message("assistant", reply))
         turn += 1
+
+
+def _print_text_answer(engine, params) -> str:
+    """Stream the running request's text to stdout; returns it."""
+    from openk3.serve.streaming import TextDelta
+
+    delta, text = TextDelta(params.stop), ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            sample = out.outputs[0]
+            text = sample.text
+            print(delta.update(text, sample.finish_reason is not None), end="", flush=True)
+    print()
+    return text
+
+
+def _print_xtml_answer(engine, template, params) -> dict:
+    """Stream the running request's parsed answer to stdout (reasoning dimmed, then content, then tool calls);
+    returns the assistant message."""
+    from openk3.serve.chat_answer import ChatAnswer
+
+    dim, plain = ("\x1b[2m", "\x1b[0m") if sys.stdout.isatty() else ("", "")
+    answer, channel = ChatAnswer(template.parser(), params.stop), None
+    while engine.has_unfinished():
+        for out in engine.step():
+            sample = out.outputs[0]
+            for delta in answer.update(sample.token_ids, sample.finish_reason is not None):
+                key = next(iter(delta))
+                if key == "tool_calls":
+                    continue  # printed whole below
+                if key != channel:  # a new channel starts on its own line
+                    lead = plain + ("\n" if channel is not None else "")
+                    print(lead + (f"{dim}[thinking] " if key == "reasoning_content" else ""), end="")
+                    channel = key
+                print(delta[key], end="", flush=True)
+    print(plain)
+    message = answer.message()
+    for call in message.get("tool_calls", []):
+        print(f"[tool call] {call['function']['name']}({call['function']['arguments']})  (not executed)")
+    if answer.problems:
+        print(f"k3 chat: malformed answer: {'; '.join(answer.problems)}", file=sys.stderr)
+    return message
 
 
 def cmd_info(args) -> int:

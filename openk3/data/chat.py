@@ -1,7 +1,7 @@
 """Chat formats: turn OpenAI-style messages into prompt token ids, and say where the model's answer stops.
 
-`PlainChatTemplate` is the documented format of openk3's own checkpoints (their tokenizers carry only BOS, EOS and
-pad as special tokens, so the role markers are plain text):
+`PlainChatTemplate` is the documented format of openk3 checkpoints whose tokenizers name no XTML markers (the byte
+fallback, and BPE tokenizers trained before the markers were named), so its role markers are plain text:
 
     [BOS]### System:\\n{system}\\n\\n### User:\\n{user}\\n\\n### Assistant:\\n{assistant}[EOS]\\n\\n### User:\\n ...
     ... ### Assistant:\\n                                   <- the generation prompt; the answer ends at [EOS]
@@ -10,11 +10,15 @@ Message text is encoded with special tokens disallowed (the tokenizers' `encode`
 any other control token by spelling it. `JinjaChatTemplate` renders a checkpoint's own Hugging Face-style template
 (`chat_template` in tokenizer_config.json, a string or Hugging Face's named list, or a `chat_template.jinja`
 file) in a sandboxed Jinja environment inside a worker process with a time and output limit (`jinja_sandbox.py`).
-`load_chat_template(dir, tokenizer)` picks the checkpoint's template when it ships one, else the plain one.
 
-K3's official conversation format is a Python renderer ("XTML", spec/model.md §14), not a template file; this
-module does not reimplement it, since without the released renderer there is nothing to check it against
-token for token.
+`XTMLChatTemplate` is K3's own format (`data/xtml.py`, the release's Python renderer, segment for segment): tool
+declarations and calls, a `think` channel, `tool_choice` and `response_format`; its `parser()` turns the model's
+output back into reasoning, content and tool calls (`data/xtml_parse.py`). It is used for the release's tokenizer
+and for every tokenizer openk3 trains (they name K3's special ids, the XTML markers included).
+
+Which format a checkpoint uses: its own Jinja template when it ships one; else `chat_format` in
+tokenizer_config.json ("xtml" or "plain"); else XTML when its tokenizer has the XTML markers as special tokens (the
+release), plain otherwise (openk3 checkpoints trained before the markers were named).
 """
 
 from __future__ import annotations
@@ -23,10 +27,15 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from collections.abc import Iterable
+
 from openk3.data.jinja_sandbox import SandboxedRenderer, TemplateError, compile_check
+from openk3.data.xtml import MARKERS, Segment, encode_xtml, render_xtml
 from openk3.utils import file_inside, read_json
 
 ROLES = ("system", "user", "assistant")
+XTML_ROLES = ("system", "user", "assistant", "tool")
+CHAT_FORMATS = ("xtml", "plain")
 
 
 @dataclass
@@ -55,6 +64,7 @@ def check_messages(messages: Sequence[Message]) -> None:
 
 class PlainChatTemplate:
     name = "openk3-plain"
+    supports_tools = False
     source = "[BOS]### System:\\n{system}\\n\\n### User:\\n{user}\\n\\n### Assistant:\\n{assistant}[EOS]\\n\\n...### Assistant:\\n"
 
     def __init__(self, tokenizer):
@@ -87,6 +97,7 @@ class JinjaChatTemplate:
     (`data/jinja_sandbox.py`). A syntax error is a TemplateError at construction, naming the line."""
 
     name = "checkpoint-jinja"
+    supports_tools = False
 
     def __init__(self, tokenizer, source: str, renderer: SandboxedRenderer | None = None, origin: str = "template"):
         self.tokenizer, self.source = tokenizer, source
@@ -119,6 +130,57 @@ class JinjaChatTemplate:
         self.renderer.close()
 
 
+class XTMLChatTemplate:
+    """K3's XTML format. `encode` takes OpenAI-style message dicts (or `Message`s) and the request's options, with
+    the release tokenizer's defaults: thinking on, `thinking_effort="max"`."""
+
+    name = "k3-xtml"
+    supports_tools = True
+    source = "K3 XTML (Python renderer, openk3/data/xtml.py): <|open|>message role=\"...\"<|sep|> ... " \
+             "<|close|>message<|sep|><|end_of_msg|>"  # fmt: skip
+
+    def __init__(self, tokenizer):
+        missing = [m for m in MARKERS if m not in getattr(tokenizer, "special_ids", {})]
+        if missing:
+            raise ValueError(f"the tokenizer has no special tokens {missing}: it cannot use K3's XTML chat format")
+        self.tokenizer = tokenizer
+
+    def render(self, messages, add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
+               thinking: bool = True, thinking_effort: str | None = "max", **options) -> list[Segment]:  # fmt: skip
+        """The release's segments (`render_xtml`). `options`: tool_choice, response_format, response_schema,
+        image_prompts."""
+        dicts = [{"role": m.role, "content": m.content} if isinstance(m, Message) else m for m in messages]
+        if not dicts:
+            raise ValueError("messages must not be empty")
+        for i, m in enumerate(dicts):
+            if not isinstance(m, dict) or m.get("role") not in XTML_ROLES:
+                role = m.get("role") if isinstance(m, dict) else m
+                raise ValueError(f"messages[{i}].role must be one of {list(XTML_ROLES)}, got {role!r}")
+            for key in ("content", "reasoning_content", "name"):
+                if isinstance(m.get(key), str):
+                    check_text(m[key], f"messages[{i}].{key}")
+        return render_xtml(dicts, tools, add_generation_prompt=add_generation_prompt, thinking=thinking,
+                           thinking_effort=thinking_effort, **options)  # fmt: skip
+
+    def encode(self, messages, add_generation_prompt: bool = True, **options) -> list[int]:
+        return encode_xtml(self.render(messages, add_generation_prompt, **options), self.tokenizer)
+
+    def parser(self, *, thinking: bool = True, tools: Iterable[str] | None = None, tool_call_id=None):
+        """A streaming parser of the answer to a prompt encoded with the same `thinking` (the generation prompt
+        opened the think channel, or the response channel with thinking off). `tools`: the declared tool names."""
+        from openk3.data.xtml_parse import XTMLParser
+
+        return XTMLParser(self.tokenizer, start="think" if thinking else "response", tools=tools,
+                          tool_call_id=tool_call_id)  # fmt: skip
+
+    @property
+    def stop(self) -> list[str]:
+        return []  # the answer ends at <|end_of_msg|>, the model's eos token
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
 def _special_text(tokenizer, token_id: int | None) -> str:
     """How a special token is spelled (bos_token, eos_token in a template's context); "" where it has no name."""
     if token_id is None:
@@ -146,7 +208,10 @@ def _pick_template(value, file: str) -> str | None:
 
 def load_chat_template(path: str | os.PathLike | None, tokenizer, renderer: SandboxedRenderer | None = None):
     """The checkpoint's own template when it ships one (chat_template.jinja, or tokenizer_config.json
-    `chat_template`), else `PlainChatTemplate`. A broken template is a ValueError naming its file."""
+    `chat_template`); else the format tokenizer_config.json's `chat_format` names; else `XTMLChatTemplate` when the
+    tokenizer has the XTML markers, `PlainChatTemplate` when not. A broken template is a ValueError naming its
+    file."""
+    chat_format = None
     if path is not None:
         jinja_file = file_inside(path, "chat_template.jinja", "chat template file")
         if os.path.isfile(jinja_file):
@@ -158,4 +223,10 @@ def load_chat_template(path: str | os.PathLike | None, tokenizer, renderer: Sand
             source = _pick_template(config.get("chat_template") if isinstance(config, dict) else None, config_file)
             if source is not None:
                 return JinjaChatTemplate(tokenizer, source, renderer, origin=config_file)
-    return PlainChatTemplate(tokenizer)
+            chat_format = config.get("chat_format") if isinstance(config, dict) else None
+            if chat_format is not None and chat_format not in CHAT_FORMATS:
+                raise ValueError(f"{config_file}: chat_format must be one of {list(CHAT_FORMATS)}, got {chat_format!r}")
+    if chat_format is None:
+        has_markers = all(m in getattr(tokenizer, "special_ids", {}) for m in MARKERS)
+        chat_format = "xtml" if has_markers else "plain"
+    return XTMLChatTemplate(tokenizer) if chat_format == "xtml" else PlainChatTemplate(tokenizer)

@@ -29,6 +29,17 @@ from collections.abc import Iterable, Iterator
 from openk3.utils import file_inside, read_json
 
 NUM_SPECIAL_TOKENS = 256
+# K3's named special ids, as offsets from the first special id (the released tokenizer config's added_tokens_decoder:
+# 163584 [BOS], 163585 [EOS], 163586 <|end_of_msg|> (the model's eos_token_id: a turn ends there), 163587-163589 the
+# XTML markers, 163602-163605 the media tokens, 163838 [UNK], 163839 [PAD]). Our BPE tokenizers name the same offsets,
+# so a model trained here speaks the release's chat format (data/xtml.py).
+K3_SPECIAL_NAMES = {
+    0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
+    18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>",
+    254: "[UNK]", 255: "[PAD]",
+}  # fmt: skip
+# The config roles whose K3 offsets name them; a role placed elsewhere is named <|role|>.
+K3_ROLE_OFFSETS = {"bos": 0, "eos": 2, "pad": 255}
 # K3's workaround for a tiktoken limit (spec §14): encode in 400,000-character windows and cut any run of whitespace
 # or of non-whitespace longer than 25,000 characters. It changes token boundaries, so we must do the same to match ids.
 TIKTOKEN_MAX_ENCODE_CHARS = 400_000
@@ -48,6 +59,10 @@ class ByteTokenizer:
         self.vocab_size = vocab_size
         self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_token_id, eos_token_id, pad_token_id
         self.fingerprint = f"byte:{vocab_size}:{bos_token_id}:{eos_token_id}:{pad_token_id}"
+        self.special_ids: dict[str, int] = {}  # no names: its specials cannot be spelled
+
+    def encode_special(self, text: str) -> list[int]:
+        return self.encode(text)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -63,6 +78,21 @@ class ByteTokenizer:
         """Nothing to write: `load_tokenizer` falls back to bytes when a folder holds no tokenizer files."""
 
 
+def _specials_pattern(special_ids: dict[str, int]) -> re.Pattern | None:
+    """A regex matching any special name, longest first (so one name that prefixes another cannot win)."""
+    names = sorted(special_ids, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, names))) if names else None
+
+
+def _encode_with_specials(text: str, pattern: re.Pattern | None, special_ids: dict[str, int], encode) -> list[int]:
+    ids, start = [], 0
+    for m in pattern.finditer(text) if pattern is not None else ():
+        ids += encode(text[start : m.start()]) if m.start() > start else []
+        ids.append(special_ids[m.group()])
+        start = m.end()
+    return ids + (encode(text[start:]) if start < len(text) else [])
+
+
 def _special_names(vocab_size: int, named: dict[int, str]) -> dict[int, str]:
     """id -> name for the 256 ids on top of the vocabulary; unnamed ones get K3's `<|reserved_token_{id}|>`."""
     base = vocab_size - NUM_SPECIAL_TOKENS
@@ -73,17 +103,25 @@ class BPETokenizer:
     """Our byte-level BPE (HF `tokenizers`), trained by `train_bpe` and saved as `tokenizer.json` next to the model.
     `tokenizer_config.json` records which special names are bos/eos/pad."""
 
-    def __init__(self, tokenizer, bos_token: str = "<|bos|>", eos_token: str = "<|eos|>", pad_token: str = "<|pad|>"):
+    def __init__(self, tokenizer, bos_token: str | None = None, eos_token: str | None = None,
+                 pad_token: str | None = None):  # fmt: skip
         self._tok = tokenizer
         # Not serialised by `tokenizers`, so set on every construction: user text never yields special ids.
         self._tok.encode_special_tokens = True
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.num_base_tokens = tokenizer.get_vocab_size(with_added_tokens=False)
-        self.bos_token_id = tokenizer.token_to_id(bos_token)
-        self.eos_token_id = tokenizer.token_to_id(eos_token)
-        self.pad_token_id = tokenizer.token_to_id(pad_token)
-        self._tokens = {"bos_token": bos_token, "eos_token": eos_token, "pad_token": pad_token}
+        # A role's name: the one given (tokenizer_config.json's), else K3's, else the <|role|> of older openk3 BPEs.
+        names = {}
+        for role, given in (("bos", bos_token), ("eos", eos_token), ("pad", pad_token)):
+            k3 = K3_SPECIAL_NAMES[K3_ROLE_OFFSETS[role]]
+            names[role] = given or (k3 if tokenizer.token_to_id(k3) is not None else f"<|{role}|>")
+        self.bos_token_id = tokenizer.token_to_id(names["bos"])
+        self.eos_token_id = tokenizer.token_to_id(names["eos"])
+        self.pad_token_id = tokenizer.token_to_id(names["pad"])
+        self._tokens = {f"{role}_token": name for role, name in names.items()}
         self.fingerprint = "bpe:" + hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()
+        self.special_ids = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        self._special_re = _specials_pattern(self.special_ids)
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         # encode_batch of one text: the same ids as encode, but it releases the GIL (encode holds it for seconds on
@@ -94,17 +132,24 @@ class BPETokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_special(self, text: str) -> list[int]:
+        """Control text (a chat format's markers): special names become their ids, the text between them is
+        encoded as `encode` does. Never call it on user text."""
+        return _encode_with_specials(text, self._special_re, self.special_ids, self.encode)
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write `tokenizer.json` and a small `tokenizer_config.json` (special names and ids) into `path`."""
+        """Write `tokenizer.json` and a small `tokenizer_config.json` (special names and ids, and the chat format:
+        "xtml" when the XTML markers are named, else "plain") into `path`."""
         os.makedirs(path, exist_ok=True)
         self._tok.save(os.path.join(path, "tokenizer.json"))
+        xtml = all(m in self.special_ids for m in ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"))
         meta = {
             "tokenizer_class": "BPETokenizer", "num_base_tokens": self.num_base_tokens, "vocab_size": self.vocab_size,
             **self._tokens, "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
+            "pad_token_id": self.pad_token_id, "chat_format": "xtml" if xtml else "plain",
         }  # fmt: skip
         with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
@@ -127,9 +172,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int, special_ids: dict[str, int]
     """Train a byte-level BPE whose base ranks fill [0, vocab_size - 256) and whose 256 specials sit on top.
 
     `special_ids` maps a role to its id, e.g. `{"bos": 768, "eos": 770, "pad": 1023}` (take them from the model
-    config); role r is named `<|r|>`, every other top id `<|reserved_token_{id}|>`. The trainer learns merges up to
-    the base size; if the corpus is too small to fill it, the remaining base ids become unreachable placeholders
-    `<|unused_base_{id}|>` so that the special ids still land exactly where the config says.
+    config). The specials are named as K3's (`K3_SPECIAL_NAMES`: `[BOS]`, `<|end_of_msg|>` for eos, the XTML markers,
+    the media tokens, `[PAD]`), so the tokenizer speaks the release's chat format; a role placed off its K3 offset is
+    named `<|role|>`, every other top id `<|reserved_token_{id}|>`. The trainer learns merges up to the base size; if
+    the corpus is too small to fill it, the remaining base ids become unreachable placeholders `<|unused_base_{id}|>`
+    so that the special ids still land exactly where the config says.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -144,6 +191,16 @@ def train_bpe(texts: Iterable[str], vocab_size: int, special_ids: dict[str, int]
     for role in ("bos", "eos", "pad"):
         if role not in special_ids:
             raise ValueError(f"special_ids needs a {role!r} id, got {sorted(special_ids)}")
+    named = {base + offset: name for offset, name in K3_SPECIAL_NAMES.items()}
+    roles = {}
+    for role, i in special_ids.items():
+        if i - base == K3_ROLE_OFFSETS.get(role):
+            roles[role] = named[i]
+        elif i - base in K3_SPECIAL_NAMES:
+            raise ValueError(f"special_ids[{role!r}] = {i} is K3's {named[i]} (base + {i - base}); put {role} at base "
+                             f"+ {K3_ROLE_OFFSETS.get(role, 'a free offset')}")  # fmt: skip
+        else:
+            named[i] = roles[role] = f"<|{role}|>"
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -155,12 +212,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int, special_ids: dict[str, int]
     tok.train_from_iterator(texts, trainer=trainer)
     if tok.get_vocab_size() < base:
         tok = _pad_base_vocab(tok, base)
-    named = {i: f"<|{role}|>" for role, i in special_ids.items()}
     names = _special_names(vocab_size, named)
     # Added tokens take consecutive ids after the base vocabulary, so adding them in id order places each exactly.
     tok.add_special_tokens([names[i] for i in range(base, vocab_size)])
-    out = BPETokenizer(tok)
-    assert out.vocab_size == vocab_size and all(tok.token_to_id(named[i]) == i for i in named)
+    out = BPETokenizer(tok, **{f"{role}_token": roles[role] for role in ("bos", "eos", "pad")})
+    assert out.vocab_size == vocab_size and all(tok.token_to_id(n) == i for i, n in named.items())
     return out
 
 
@@ -208,6 +264,7 @@ class TikTokenTokenizer:
             special_tokens={name: i for i, name in special_names.items()},
         )  # fmt: skip
         self.bos_token_id, self.eos_token_id, self.pad_token_id = bos_token_id, eos_token_id, pad_token_id
+        self.special_ids = {name: i for i, name in special_names.items()}
         self.fingerprint = fingerprint
         self.pattern = pattern
         # Set by from_dir, for save(): where the official files are, their config, and whether pattern= was given.
@@ -218,6 +275,11 @@ class TikTokenTokenizer:
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = [i for piece in split_long_text(text) for i in self._enc.encode_ordinary(piece)]
         return [self.bos_token_id, *ids] if add_bos else ids
+
+    def encode_special(self, text: str) -> list[int]:
+        """Control text (a chat format's markers), as the release encodes it: `allowed_special="all"` on each piece
+        of the long-input split. Never call it on user text."""
+        return [i for piece in split_long_text(text) for i in self._enc.encode(piece, allowed_special="all")]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         # Texts too short to need splitting go through tiktoken's threaded batch encoder.

@@ -4,18 +4,20 @@
               "num_speculative_tokens": 4}, max_num_batched_tokens=2048)
     outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
     outs[0].outputs[0].text, outs[0].outputs[0].token_ids
+    llm.chat([{"role": "user", "content": "Hi"}], tools=[...])[0].outputs[0].message  # parsed, as the server does
 
 Each step asks the proposer for drafts (when speculating), schedules, then runs one forward over the scheduled
 prefill chunks and plain decodes, plus one verify forward per draft length. The sampled rows of a forward are drawn
 in one batched call (`ops.sampling.sample_rows`), each row from its request's generator (seeded from
 `SamplingParams.seed` and the sample index), so a request's tokens do not depend on what it was batched with. Output
-text grows incrementally per sample (`serve/detokenizer.py`), stop strings are searched in the new text only.
+text grows incrementally per sample (`data/detokenizer.py`), stop strings are searched in the new text only.
 
 Legend: N sampled rows, G tokens per verified request (1 + drafts), V vocabulary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -25,14 +27,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from openk3.data.chat import check_text
+from openk3.data.chat import check_text, load_chat_template
+from openk3.data.detokenizer import IncrementalDetokenizer
 from openk3.data.tokenizer import ByteTokenizer, load_tokenizer
 from openk3.model.cache import cache_specs
 from openk3.model.model import K3ForCausalLM
 from openk3.ops.sampling import GREEDY_BELOW, sample_rows, sampling_probs_rows
 from openk3.serve.config import ServeConfig
-from openk3.serve.detokenizer import IncrementalDetokenizer
 from openk3.serve.kv.manager import KVCacheManager
+from openk3.serve.protocol import chat_request
 from openk3.serve.request import CompletionOutput, Request, RequestOutput, SamplingParams, Status
 from openk3.serve.runner import ModelRunner
 from openk3.serve.scheduler import Scheduler
@@ -381,11 +384,57 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike | K3ForCausalLM, tokenizer=None, dtype: torch.dtype | None = None,
                  device: str | torch.device = "cpu", **options):  # fmt: skip
+        self.checkpoint = None
         if isinstance(model, (str, os.PathLike)):
-            ckpt = model
-            model = K3ForCausalLM.from_pretrained(ckpt, dtype=dtype, device=device)
-            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ckpt, model.text_config)
+            self.checkpoint = model
+            model = K3ForCausalLM.from_pretrained(model, dtype=dtype, device=device)
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.checkpoint, model.text_config)
         self.engine = LLMEngine(model, tokenizer, ServeConfig.from_options(**options))
+        self._chat_template = None
+
+    @property
+    def chat_template(self):
+        """The checkpoint's chat format (`load_chat_template`); built from the tokenizer alone (K3's XTML when it
+        has the markers, else plain) when the LLM was built from a model object. Made on first use."""
+        if self._chat_template is None:
+            self._chat_template = load_chat_template(self.checkpoint, self.engine.tokenizer)
+        return self._chat_template
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        tool_choice: str | dict | None = None,
+        response_format: dict | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (OpenAI message dicts) or a list of them, rendered in the chat format,
+        generated, and each sample's `message` set to the parsed assistant message (K3's XTML format: content,
+        reasoning_content, tool_calls; a plain or Jinja one: the text as content). The fields are checked as the
+        server checks them (a ValueError naming the field); `finish_reason` stays the engine's ("stop", not
+        "tool_calls")."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        options = {"tools": tools, "tool_choice": tool_choice, "response_format": response_format,
+                   "chat_template_kwargs": chat_template_kwargs}  # fmt: skip
+        options = {k: v for k, v in options.items() if v is not None}
+        requests = [chat_request({"messages": conv, **options}) for conv in conversations]
+        template = self.chat_template
+        params = sampling_params or SamplingParams()
+        params = dataclasses.replace(params, stop=list(params.stop) + template.stop)
+        outs = self.generate([{"prompt_token_ids": r.encode(template)} for r in requests], params, use_tqdm)
+        for request, out in zip(requests, outs):
+            for o in out.outputs:
+                if not template.supports_tools:
+                    o.message = {"role": "assistant", "content": o.text}
+                    continue
+                answer = request.answer(template, params.stop)
+                answer.update(o.token_ids, finished=True)
+                o.message = answer.message()
+                answer.report(f"chat {out.request_id} sample {o.index}", o)
+        return outs
 
     def generate(
         self,

@@ -1,21 +1,51 @@
 """The OpenAI request and response shapes the server speaks (spec/serving.md §6).
 
 Requests are strict pydantic models (no bool-as-int, no string numbers, finite floats, valid Unicode) that ignore
-unknown fields (e.g. `user`), refuse the OpenAI fields not implemented yet (`UNSUPPORTED`: tools, logit_bias, ...)
-and reject bad values with a message naming the field; responses are plain dicts in OpenAI's JSON. Engine extras
-(`top_k`) arrive as extra body fields, as the openai client's `extra_body` sends them.
+unknown fields (e.g. `user`), refuse the OpenAI fields not implemented (`UNSUPPORTED`: logit_bias, the legacy
+`functions`/`function_call`, ...) and reject bad values with a message naming the field; responses are plain dicts in
+OpenAI's JSON. Engine extras (`top_k`) arrive as extra body fields, as the openai client's `extra_body` sends them.
+
+Chat fields for K3's XTML format, and how each maps (`ChatCompletionRequest.render_options`):
+- messages: roles system, user, assistant, tool (`developer` is system); `name`, assistant `tool_calls`, tool
+  `tool_call_id`, assistant `reasoning_content` (or `reasoning`) go to the renderer as OpenAI dicts.
+- tools: `{"type": "function", "function": {"name", "description"?, "parameters"? (a JSON schema object),
+  "strict"?}}`, declared to the model as sent.
+- tool_choice: "auto" (default), "none" (the model is told not to call; a call it makes anyway is reported as a
+  problem and its text kept in content), "required", or a named function: rendered as "required" with every tool
+  still declared (the release renderer has no named form; an unchanged declaration keeps prefix-cache hits), and
+  only that function's calls are accepted. "required" or named without tools is a 400.
+- parallel_tool_calls: true (default) or false: only the first call of the answer is returned, later ones are
+  dropped (the model is not told).
+- response_format: text, json_object, json_schema (`json_schema.schema`): an instruction to the model, as the release
+  renders it; decoding is not constrained.
+- reasoning_effort / chat_template_kwargs.thinking_effort: K3's `thinking_effort`, low/high/max (default max);
+  chat_template_kwargs.thinking: false turns thinking off. Other chat_template_kwargs keys are a 400.
+`ChatCompletionRequest.answer` makes the parser of one sample's answer (serve/chat_answer.py).
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)  # fmt: skip
 from pydantic_core import PydanticCustomError
 
-from openk3.data.chat import check_text
+from openk3.data.chat import Message, check_text
+from openk3.data.xtml import THINKING_EFFORTS
+from openk3.serve.chat_answer import ChatAnswer
 from openk3.serve.request import CompletionOutput, SamplingParams
 
 
@@ -30,16 +60,27 @@ def _unicode(value: str) -> str:
 # Strings must be valid Unicode (JSON can spell a lone surrogate, "\ud800", which nothing downstream can encode).
 Text = Annotated[str, AfterValidator(_unicode)]
 
-# OpenAI fields this server does not implement yet. Sent with a value other than the one meaning "off", each is a
-# 400 naming it, never silently ignored (a client asking for tools must not get a plain completion back).
+# OpenAI fields this server does not implement. Sent with a value other than the one meaning "off", each is a 400
+# naming it, never silently ignored. `functions`/`function_call` are the legacy spelling of tools: use `tools`.
 UNSUPPORTED = {
-    "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}), "functions": (None, []), "function_call": (None, "none", "auto"),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
     "suffix": (None, ""), "echo": (None, False), "best_of": (None, 1), "audio": (None,), "modalities": (None, ["text"]),
-    "prediction": (None,), "parallel_tool_calls": (None, True, False), "web_search_options": (None,),
-    "min_p": (None, 0, 0.0),
+    "prediction": (None,), "web_search_options": (None,), "min_p": (None, 0, 0.0),
 }  # fmt: skip
+# Chat fields that /v1/completions (no messages, no chat format) cannot honour.
+CHAT_ONLY = {
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}), "reasoning_effort": (None,), "chat_template_kwargs": (None, {}),
+}  # fmt: skip
+
+
+def _refuse(data, refused: dict, where: str):
+    if isinstance(data, dict):
+        for name, off in refused.items():
+            if name in data and not any(data[name] == v and type(data[name]) is type(v) for v in off):
+                raise PydanticCustomError("unsupported", f"{name} is not supported by {where}", {"field": name})
+    return data
 
 
 class _Request(BaseModel):
@@ -60,12 +101,7 @@ class _Request(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data):
-        if isinstance(data, dict):
-            for name, off in UNSUPPORTED.items():
-                if name in data and not any(data[name] == v and type(data[name]) is type(v) for v in off):
-                    raise PydanticCustomError("unsupported", f"{name} is not supported by this server",
-                                              {"field": name})  # fmt: skip
-        return data
+        return _refuse(data, UNSUPPORTED, "this server")
 
     def sampling(self, max_tokens: int, logprobs: int | None, extra_stop: list[str]) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -84,12 +120,124 @@ class CompletionRequest(_Request):
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_chat_fields(cls, data):
+        return _refuse(data, CHAT_ONLY, "/v1/completions (it is a chat field: use /v1/chat/completions)")
 
-class ChatMessage(BaseModel):
+
+class FieldError(ValueError):
+    """A request its chat format cannot honour; `param` names the field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _field_error(field: str, message: str) -> PydanticCustomError:
+    """A request-level error that names its field (the server reports `field: message`, param `field`)."""
+    return PydanticCustomError("request_field", message, {"field": field})
+
+
+def _json_text(value) -> None:
+    """A JSON value from the body is rendered as JSON text into the prompt: its strings must be valid Unicode."""
+    _unicode(json.dumps(value, ensure_ascii=False))
+
+
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    role: Literal["system", "user", "assistant", "developer"]
+
+class FunctionCall(_Strict):
+    name: Text
+    arguments: Text  # a JSON object as text, as OpenAI sends it back
+
+
+class ToolCall(_Strict):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _json_schema_object(cls, value: dict | None) -> dict | None:
+        if value is not None:
+            if "type" in value and value["type"] != "object":
+                raise PydanticCustomError("schema", "a function's parameters must be a JSON schema of type object")
+            _json_text(value)
+        return value
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: Annotated[dict[str, Text], Field(min_length=1)]
+
+
+class JSONSchemaFormat(_Strict):
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _unicode_schema(cls, value: dict) -> dict:
+        _json_text(value)
+        return value
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object with a schema')
+        return self
+
+
+class ChatTemplateKwargs(_Strict):
+    """vLLM's `chat_template_kwargs` for K3's format: `thinking` on/off, `thinking_effort`."""
+
+    thinking: bool | None = None
+    thinking_effort: Literal[THINKING_EFFORTS] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data):
+        unknown = sorted(set(data) - set(cls.model_fields)) if isinstance(data, dict) else []
+        if unknown:
+            raise ValueError(f"unknown key {unknown[0]!r} (accepted: {', '.join(cls.model_fields)})")
+        return data
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[dict] | None = ""
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+    # vLLM's field name; some clients send back `reasoning`.
+    reasoning_content: Text | None = Field(None, validation_alias=AliasChoices("reasoning_content", "reasoning"))
+
+    @model_validator(mode="after")
+    def _calls_on_assistant(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages carry tool calls, not {self.role} messages")
+        return self
 
     def text(self) -> str:
         """The text of a message; content parts of type "text" are joined (images are not served yet)."""
@@ -102,16 +250,168 @@ class ChatMessage(BaseModel):
             return "".join(parts)
         return self.content or ""
 
+    def xtml(self) -> dict:
+        """The message as the XTML renderer takes it (OpenAI's dict; `developer` is a system message)."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        return out
+
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: Literal[THINKING_EFFORTS] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+    @field_validator("tool_choice", mode="wrap")
+    @classmethod
+    def _one_tool_choice(cls, value, handler):
+        # One clear line instead of pydantic's per-branch union errors.
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("tool_choice", 'must be "auto", "none", "required" or {"type": "function", '
+                                      '"function": {"name": NAME}}') from None  # fmt: skip
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        declared = [t.function.name for t in self.tools or []]
+        choice = self.tool_choice
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            if not declared:
+                raise _field_error("tool_choice", "a required or named tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.get("name") not in declared:
+            raise _field_error("tool_choice", f"names the function {choice.function.get('name')!r}, which is not "
+                                              f"among tools ({', '.join(declared)})")  # fmt: skip
+        kwargs_effort = self.chat_template_kwargs and self.chat_template_kwargs.thinking_effort
+        if kwargs_effort and self.reasoning_effort and kwargs_effort != self.reasoning_effort:
+            raise _field_error("reasoning_effort", f"{self.reasoning_effort!r} contradicts chat_template_kwargs."
+                                                   f"thinking_effort {kwargs_effort!r}")  # fmt: skip
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def check_format(self, template) -> None:
+        """A plain or Jinja chat format has no tool calls, no thinking channel and no response formats: a request
+        that uses one is a FieldError naming the field. K3's XTML format (`template.supports_tools`) takes all."""
+        if template.supports_tools:
+            return
+        refused = self._xtml_only()
+        if refused is not None:
+            param, path, feature = refused
+            raise FieldError(param, f"{path}: this checkpoint's chat format ({template.name}) has no {feature}; they "
+                                    f"need K3's XTML chat format")  # fmt: skip
+
+    def _xtml_only(self) -> tuple[str, str, str] | None:
+        """(param, path, feature) of the first field that only K3's XTML chat format honours, else None."""
+        if self.tools:
+            return "tools", "tools", "tool calls"
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" or m.tool_calls:
+                return "messages", f"messages.{i}" + (".tool_calls" if m.tool_calls else ".role"), "tool calls"
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format", "response_format", "response formats"
+        if self.reasoning_effort is not None:
+            return "reasoning_effort", "reasoning_effort", "thinking options"
+        if self.chat_template_kwargs is not None and self.chat_template_kwargs.model_fields_set:
+            return "chat_template_kwargs", "chat_template_kwargs", "thinking options"
+        return None
+
+    def encode(self, template) -> list[int]:
+        """The prompt ids. K3's XTML format takes the messages as OpenAI dicts with the request's tools and options;
+        a plain or Jinja format takes roles and text only (after `check_format`)."""
+        if template.supports_tools:
+            messages = [m.xtml() for m in self.messages]
+            return template.encode(messages, add_generation_prompt=True, **self.render_options())
+        self.check_format(template)
+        messages = [Message("system" if m.role == "developer" else m.role, m.text()) for m in self.messages]
+        return template.encode(messages, add_generation_prompt=True)
+
+    @property
+    def thinking(self) -> bool:
+        kwargs = self.chat_template_kwargs
+        return True if kwargs is None or kwargs.thinking is None else kwargs.thinking
+
+    def render_options(self) -> dict:
+        """The XTML renderer's options for this request; what is not given keeps the template's default (thinking
+        on, thinking_effort "max"). A named tool_choice renders as "required" with every tool still declared: the
+        release renderer has no named form, and an unchanged declaration keeps prefix-cache hits; the parser then
+        accepts only that function (`callable_tools`)."""
+        options: dict = {}
+        if self.tools:
+            options["tools"] = [tool.model_dump(exclude_unset=True) for tool in self.tools]
+        if self.tool_choice is not None:
+            options["tool_choice"] = "required" if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        if self.response_format is not None and self.response_format.type != "text":
+            options["response_format"] = self.response_format.model_dump(exclude_unset=True, by_alias=True)
+        kwargs = self.chat_template_kwargs
+        if kwargs is not None and kwargs.thinking is not None:
+            options["thinking"] = kwargs.thinking
+        effort = (kwargs and kwargs.thinking_effort) or self.reasoning_effort
+        if effort is not None:
+            options["thinking_effort"] = effort
+        return options
+
+    def callable_tools(self) -> tuple[str, ...]:
+        """The tools the model may call in its answer: none for tool_choice "none", the named one for a named
+        choice, else every declared tool. A call to any other is a parser problem; its text stays in content."""
+        if self.tool_choice == "none":
+            return ()
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return (self.tool_choice.function["name"],)
+        return tuple(tool.function.name for tool in self.tools or [])
+
+    def answer(self, template, stop: list[str]) -> ChatAnswer:
+        """A fresh parser of one sample's answer (an XTML template's)."""
+        parser = template.parser(thinking=self.thinking, tools=self.callable_tools())
+        return ChatAnswer(parser, stop, self.parallel_tool_calls is not False)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """One line naming the field for a pydantic error list: the deepest error (in a union, the branch that got
+    furthest), its path without pydantic's type tags, and the top-level field as `param`."""
+    if not errors:
+        return "body: invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        where = first.get("loc", ("body", "?"))[-1]
+        return f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')} at character "\
+               f"{where})", None  # fmt: skip
+    if first.get("type") in ("unsupported", "request_field"):  # request-level checks that name their field
+        field = first["ctx"]["field"]
+        return f"{field}: {first['msg']}", field
+    err = max(errors, key=lambda e: len(e.get("loc", ())))
+    path = [str(p) for p in err.get("loc", ()) if p != "body" and not (isinstance(p, str) and (
+        "[" in p or p in _TYPE_TAGS))]  # fmt: skip
+    message = err.get("msg", "invalid value").removeprefix("Value error, ")
+    return f"{'.'.join(path) or 'body'}: {message}", (path[0] if path else None)
+
+
+def chat_request(body: dict) -> ChatCompletionRequest:
+    """A chat request from Python values (`LLM.chat`), checked as the server checks one: a ValueError that names the
+    field, e.g. `tools.0.function.name: Field required`."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as err:
+        raise ValueError(validation_message(err.errors())[0]) from None
 
 
 def new_id(prefix: str) -> str:
@@ -126,10 +426,15 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def usage(prompt_tokens: int, outputs: list[CompletionOutput], cached: int) -> dict:
+def usage(prompt_tokens: int, outputs: list[CompletionOutput], cached: int,
+          reasoning_tokens: int | None = None) -> dict:  # fmt: skip
+    """OpenAI's usage; `reasoning_tokens` (the think channel's tokens, all samples) when the chat format has one."""
     completion = sum(len(o.token_ids) for o in outputs)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def chat_logprobs(out: CompletionOutput, start: int, end: int, top: int, decode) -> dict | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from openk3.serve.detokenizer import IncrementalDetokenizer
+from openk3.data.detokenizer import IncrementalDetokenizer
 
 @dataclass
 class SamplingParams:
@@ -111,6 +111,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None  # with finish_reason "error": what went wrong for this sample
+    message: dict | None = None  # LLM.chat: the parsed assistant message (content, reasoning_content, tool_calls)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
     GET  /v1/models            the served model
     POST /v1/completions       text completion (prompt: text or token ids), streaming or not
-    POST /v1/chat/completions  chat (system / user / assistant messages) through the checkpoint's chat template
+    POST /v1/chat/completions  chat through the checkpoint's chat format: tool calls and reasoning with K3's XTML
     GET  /v1/chat/template     the chat template in use (name and source)
     GET  /health               200 {"status": "ok" | "degraded", ...} while the engine loop runs, 503 when it does not
     GET  /metrics              Prometheus text (serve/metrics.py)
@@ -13,6 +13,15 @@ prompts longer than the model or cache allow, 404 for an unknown model, 413 for 
 with Retry-After when the waiting queue is full, 500 when a request failed inside the engine or its chat template
 failed, 503 if the engine loop is not running. A streamed request that fails after its first chunk gets an error
 event, then `[DONE]`.
+
+Chat in K3's XTML format (`template.supports_tools`) renders the messages as OpenAI dicts (tool role, tool_calls,
+reasoning_content) with `tools`, `tool_choice`, `response_format`, `reasoning_effort` and `chat_template_kwargs`
+(protocol.py says how each maps), and parses each sample's output ids, not its text (which skips the markers), into
+`reasoning_content`, `content` and `tool_calls` (`finish_reason` "tool_calls" when a sample ended with calls;
+`usage.completion_tokens_details.reasoning_tokens`); what the parser finds malformed is logged and its text kept in
+`content`. A stream sends separate chunks for reasoning, content and each tool call's name/id and argument pieces.
+User stop strings end a sample where they appear (markers skipped) and cut `reasoning_content` and `content` at
+their first occurrence. A plain or Jinja format refuses what needs XTML with a 400 naming the field.
 
 Work per request is bounded: the body size; tokenization and template rendering run off the event loop (at most
 `PREPROCESS_THREADS` at once) under `preprocess_timeout_s`, templates in a worker process that is killed past its
@@ -34,19 +43,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from openk3.data.chat import Message
 from openk3.data.jinja_sandbox import TemplateFailed, TemplateRejected
 from openk3.serve.async_engine import AsyncLLM, EngineDead, QueueFull
 from openk3.serve.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S
+from openk3.serve.chat_answer import ChatAnswer
 from openk3.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    FieldError,
     chat_logprobs,
     completion_logprobs,
     error_body,
     new_id,
     now,
     usage,
+    validation_message,
 )  # fmt: skip
 from openk3.serve.request import RequestOutput
 from openk3.serve.streaming import TextDelta
@@ -122,29 +133,6 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
     return SafeJSONResponse(error_body(message, kind, param, status), status_code=status, headers=headers)
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
-
-
-def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """One line naming the field for a pydantic error list: the deepest error (in a union, the branch that got
-    furthest), its path without pydantic's type tags, and the top-level field as `param`."""
-    if not errors:
-        return "body: invalid request", None
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        where = first.get("loc", ("body", "?"))[-1]
-        return f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')} at character "\
-               f"{where})", None  # fmt: skip
-    if first.get("type") == "unsupported":
-        field = first["ctx"]["field"]
-        return f"{field}: {first['msg']}", field
-    err = max(errors, key=lambda e: len(e.get("loc", ())))
-    path = [str(p) for p in err.get("loc", ()) if p != "body" and not (isinstance(p, str) and (
-        "[" in p or p in _TYPE_TAGS))]  # fmt: skip
-    message = err.get("msg", "invalid value").removeprefix("Value error, ")
-    return f"{'.'.join(path) or 'body'}: {message}", (path[0] if path else None)
-
-
 def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               preprocess_timeout_s: float = DEFAULT_PREPROCESS_TIMEOUT_S) -> FastAPI:  # fmt: skip
     preprocess = ThreadPoolExecutor(PREPROCESS_THREADS, thread_name_prefix="openk3-preprocess")
@@ -166,7 +154,7 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc.errors())
+        message, param = validation_message(exc.errors())
         return _error(400, message, param=param)
 
     @app.exception_handler(Exception)
@@ -298,12 +286,16 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
                       "logprobs": completion_logprobs(o, start, end, top, decode)}  # fmt: skip
             return {"id": rid, "object": "text_completion", "created": now(), "model": model_name, "choices": [choice]}
 
-        return StreamingResponse(sse(outputs, params.stop, chunk, None, req.include_usage, rid, "text_completion"),
-                                 media_type="text/event-stream")  # fmt: skip
+        def usage_of(out: RequestOutput) -> dict:
+            return usage(len(out.prompt_token_ids), out.outputs, out.num_cached_tokens)
 
-    def prepare_chat(messages: list[Message]):
+        events = sse(outputs, lambda _index: _TextStream(params.stop, chunk), usage_of, req.include_usage, rid,
+                     "text_completion")  # fmt: skip
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    def prepare_chat(encode):
         try:
-            return {"prompt_token_ids": template.encode(messages, add_generation_prompt=True)}
+            return {"prompt_token_ids": encode()}
         except TemplateRejected as err:
             raise APIError(400, str(err), param="messages") from err
         except TemplateFailed as err:
@@ -315,43 +307,70 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
     async def chat(req: ChatCompletionRequest, request: Request):
         check_model(req.model)
         try:
-            messages = [Message("system" if m.role == "developer" else m.role, m.text()) for m in req.messages]
+            req.check_format(template)
+        except FieldError as err:
+            raise APIError(400, str(err), param=err.param) from err
+        try:
             top = req.top_logprobs or 0
             params = req.sampling(req.requested_max_tokens or max_model_len, top if req.logprobs else None,
                                   template.stop)  # fmt: skip
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         rid = new_id("chatcmpl")
-        outputs = await start(lambda: prepare_chat(messages), params, rid)
+        outputs = await start(lambda: prepare_chat(lambda: req.encode(template)), params, rid)
+        xtml = template.supports_tools
+        answers: dict[int, ChatAnswer] = {}
+
+        def answer_of(index: int) -> ChatAnswer:
+            if index not in answers:
+                answers[index] = req.answer(template, params.stop)
+            return answers[index]
+
+        def usage_of(out: RequestOutput) -> dict:
+            reasoning = sum(a.result.reasoning_tokens for a in answers.values()) if xtml else None
+            return usage(len(out.prompt_token_ids), out.outputs, out.num_cached_tokens, reasoning)
+
+        def body(choices: list[dict], kind: str = "chat.completion.chunk") -> dict:
+            return {"id": rid, "object": kind, "created": now(), "model": model_name, "choices": choices}
+
+        def chunk(o, delta: dict, start: int, end: int, finish) -> dict:
+            return body([{"index": o.index, "delta": delta, "finish_reason": finish,
+                          "logprobs": chat_logprobs(o, start, end, top, decode) if end > start else None}])  # fmt: skip
+
         if not req.stream:
             out = await final_output(request, outputs)
-            choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                        "logprobs": chat_logprobs(o, 0, len(o.token_ids), top, decode),
-                        "finish_reason": o.finish_reason} for o in out.outputs]  # fmt: skip
-            return {"id": rid, "object": "chat.completion", "created": now(), "model": model_name, "choices": choices,
-                    "usage": usage(len(out.prompt_token_ids), out.outputs, out.num_cached_tokens)}  # fmt: skip
+            choices = []
+            for o in out.outputs:
+                choice = {"index": o.index, "message": {"role": "assistant", "content": o.text},
+                          "logprobs": chat_logprobs(o, 0, len(o.token_ids), top, decode),
+                          "finish_reason": o.finish_reason}  # fmt: skip
+                if xtml:
+                    answer = answer_of(o.index)
+                    answer.update(o.token_ids, finished=True)
+                    answer.report(f"{rid} choice {o.index}", o)
+                    choice.update(message=answer.message(), finish_reason=answer.finish_reason(o.finish_reason))
+                choices.append(choice)
+            return {**body(choices, "chat.completion"), "usage": usage_of(out)}
 
-        def chunk(o, text: str, start: int, end: int, finish) -> dict:
-            delta = {"content": text} if text or finish is None else {}
-            choice = {"index": o.index, "delta": delta, "finish_reason": finish,
-                      "logprobs": chat_logprobs(o, start, end, top, decode) if end > start else None}  # fmt: skip
-            return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model_name,
-                    "choices": [choice]}  # fmt: skip
+        def stream_of(index: int):
+            opening = body([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                             "logprobs": None}])  # fmt: skip
+            if xtml:
+                return _XTMLStream(rid, answer_of(index), chunk, opening)
 
-        def opening(index: int) -> dict:
-            choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                      "logprobs": None}  # fmt: skip
-            return {"id": rid, "object": "chat.completion.chunk", "created": now(), "model": model_name,
-                    "choices": [choice]}  # fmt: skip
+            def text_chunk(o, text: str, start: int, end: int, finish) -> dict:
+                return chunk(o, {"content": text} if text or finish is None else {}, start, end, finish)
 
-        return StreamingResponse(sse(outputs, params.stop, chunk, opening, req.include_usage, rid,
-                                     "chat.completion.chunk"), media_type="text/event-stream")  # fmt: skip
+            return _TextStream(params.stop, text_chunk, opening)
 
-    async def sse(outputs, stop, chunk, opening, include_usage: bool, rid: str, kind: str) -> AsyncIterator[str]:
-        """Server-sent events: text deltas per sample (never text a stop string will take back), then [DONE]. A
-        failure (a sample that ended in error, an engine shut down) is an OpenAI error event before [DONE]."""
-        deltas: dict[int, TextDelta] = {}
-        sent_tokens: dict[int, int] = {}
+        return StreamingResponse(sse(outputs, stream_of, usage_of, req.include_usage, rid, "chat.completion.chunk"),
+                                 media_type="text/event-stream")  # fmt: skip
+
+    async def sse(outputs, stream_of, usage_of, include_usage: bool, rid: str, kind: str) -> AsyncIterator[str]:
+        """Server-sent events: each sample's chunks (`stream_of(index)` makes a sample's stream, which turns its
+        latest output into chunks), the usage when asked for, then [DONE]. A failure (a sample that ended in error,
+        an engine shut down) is an OpenAI error event before [DONE]."""
+        streams: dict[int, object] = {}
         finished_choices: set[int] = set()
         final = None
         try:
@@ -361,17 +380,11 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
                 for o in out.outputs:
                     if o.index in finished_choices:
                         continue
-                    if o.index not in deltas:
-                        deltas[o.index], sent_tokens[o.index] = TextDelta(stop), 0
-                        if opening is not None:
-                            yield _event(opening(o.index))
-                    done = o.finish_reason is not None
-                    text = deltas[o.index].update(o.text, done)
-                    start, end = sent_tokens[o.index], len(o.token_ids)
-                    if text or done:
-                        sent_tokens[o.index] = end
-                        yield _event(chunk(o, text, start, end, o.finish_reason if done else None))
-                    if done:
+                    if o.index not in streams:
+                        streams[o.index] = stream_of(o.index)
+                    for body in streams[o.index](o):
+                        yield _event(body)
+                    if o.finish_reason is not None:
                         finished_choices.add(o.index)
         except APIError as err:
             yield _event(error_body(str(err), err.kind, err.param, err.status))
@@ -383,13 +396,50 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
         else:
             if include_usage and final is not None:
                 body = {"id": rid, "object": kind, "created": now(), "model": model_name, "choices": [],
-                        "usage": usage(len(final.prompt_token_ids), final.outputs, final.num_cached_tokens)}  # fmt: skip
+                        "usage": usage_of(final)}  # fmt: skip
                 yield _event(body)
         finally:
             await outputs.aclose()  # a disconnect (the response cancelled) aborts the request right here
         yield "data: [DONE]\n\n"
 
     return app
+
+
+class _TextStream:
+    """One sample's text chunks (completions, and chat in a plain or Jinja format): the text that no stop string can
+    take back, with the log-probs of the tokens since the last chunk; the last chunk carries the finish reason."""
+
+    def __init__(self, stop: list[str], chunk, opening: dict | None = None):
+        self.delta, self.chunk, self.sent = TextDelta(stop), chunk, 0
+        self.pending = [opening] if opening is not None else []
+
+    def __call__(self, o) -> list[dict]:
+        bodies, self.pending = self.pending, []
+        done = o.finish_reason is not None
+        text = self.delta.update(o.text, done)
+        if text or done:
+            bodies.append(self.chunk(o, text, self.sent, len(o.token_ids), o.finish_reason if done else None))
+            self.sent = len(o.token_ids)
+        return bodies
+
+
+class _XTMLStream:
+    """One sample's chat chunks in K3's format: one per parsed delta (`reasoning_content`, `content`, or a piece of
+    a tool call), then an empty delta with the finish reason ("tool_calls" when the sample ended with calls)."""
+
+    def __init__(self, rid: str, answer: ChatAnswer, chunk, opening: dict):
+        self.rid, self.answer, self.chunk, self.sent, self.pending = rid, answer, chunk, 0, [opening]
+
+    def __call__(self, o) -> list[dict]:
+        bodies, self.pending = self.pending, []
+        done, end = o.finish_reason is not None, len(o.token_ids)
+        for delta in self.answer.update(o.token_ids, done):
+            bodies.append(self.chunk(o, delta, self.sent, end, None))
+            self.sent = end
+        if done:
+            self.answer.report(f"{self.rid} choice {o.index}", o)
+            bodies.append(self.chunk(o, {}, self.sent, end, self.answer.finish_reason(o.finish_reason)))
+        return bodies
 
 
 def _event(body: dict) -> str:

@@ -60,13 +60,17 @@ def test_bpe_special_ids_match_the_config(tiny_bpe, tmp_path):
     assert tok.num_base_tokens == 768
     assert tok.encode("x", add_bos=True)[0] == 768
     raw = tok._tok
-    assert [raw.id_to_token(i) for i in (768, 769, 770, 1022, 1023)] == [
-        "<|bos|>", "<|reserved_token_769|>", "<|eos|>", "<|reserved_token_1022|>", "<|pad|>",
-    ]  # fmt: skip
-    # Text spelling a special token is plain text, not a control token.
-    assert all(i < 768 for i in tok.encode("<|bos|> <|eos|><|reserved_token_800|>"))
+    # K3's layout (the release's tokenizer config): bos, [EOS], eos = <|end_of_msg|>, the XTML markers, media, pad.
+    named = {768: "[BOS]", 769: "[EOS]", 770: "<|end_of_msg|>", 771: "<|open|>", 772: "<|close|>", 773: "<|sep|>",
+             774: "<|reserved_token_774|>", 786: "<|media_begin|>", 789: "<|media_pad|>", 1022: "[UNK]",
+             1023: "[PAD]"}  # fmt: skip
+    assert {i: raw.id_to_token(i) for i in named} == named
+    assert all(tok.special_ids[name] == i for i, name in named.items())
+    # Text spelling a special token is plain text, not a control token; control text (encode_special) maps names.
+    assert all(i < 768 for i in tok.encode("[BOS] <|end_of_msg|><|open|><|reserved_token_800|>"))
+    assert tok.encode_special("<|open|>msg<|sep|><|sep|>") == [771, *tok.encode("msg"), 773, 773]
     assert tok.decode([768, *tok.encode("hi"), 770]) == "hi"
-    assert tok.decode([768, *tok.encode("hi")], skip_special_tokens=False) == "<|bos|>hi"
+    assert tok.decode([768, *tok.encode("hi")], skip_special_tokens=False) == "[BOS]hi"
 
     tok.save(tmp_path)
     loaded = load_tokenizer(tmp_path, text)
@@ -89,6 +93,11 @@ def test_bpe_on_a_tiny_corpus_keeps_the_layout():
         train_bpe(["a"], 600, {"bos": 10, "eos": 346, "pad": 599})
     with pytest.raises(ValueError, match="needs a 'pad' id"):
         train_bpe(["a"], 600, {"bos": 344, "eos": 346})
+    # A role off its K3 offset keeps a name of its own, unless it would take an XTML marker's id.
+    moved = train_bpe(["aaa"], 600, {"bos": 344, "eos": 350, "pad": 599})
+    assert moved._tok.id_to_token(350) == "<|eos|>" and moved.special_ids["<|end_of_msg|>"] == 346
+    with pytest.raises(ValueError, match=r"K3's <\|open\|>"):
+        train_bpe(["a"], 600, {"bos": 344, "eos": 347, "pad": 599})
 
 
 def test_load_tokenizer_falls_back_to_bytes(tmp_path):

@@ -105,3 +105,38 @@ def bpe_tokenizer(vocab_size: int, bos: int, eos: int, pad: int):
     """A small byte-level BPE trained on two stdlib modules' source (the servers' tests use a real BPE)."""
     corpus = [inspect.getsource(json), inspect.getsource(socket)] * 2
     return train_bpe(corpus, vocab_size, {"bos": bos, "eos": eos, "pad": pad})
+
+
+class ScriptedSampler:
+    """Stands in for the engine's `_sample`: each request gets the next id of the script registered for its prompt
+    ids (by how many tokens it has produced), so a random tiny model 'writes' a chosen answer. Unregistered prompts
+    get `default`. `prompts` records each request's prompt ids as its first token is drawn: what the server built."""
+
+    def __init__(self, default: list[int]):
+        self.scripts: dict[tuple[int, ...], list[int]] = {}
+        self.default = default
+        self.prompts: list[list[int]] = []
+
+    def add(self, prompt_ids: list[int], answer_ids: list[int]) -> None:
+        self.scripts[tuple(prompt_ids)] = answer_ids
+
+    def __call__(self, reqs, logits_NV) -> list[int]:
+        out = []
+        for req in reqs:
+            script = self.scripts.get(tuple(req.prompt_token_ids), self.default)
+            if not req.output_token_ids:
+                self.prompts.append(list(req.prompt_token_ids))
+            out.append(script[min(len(req.output_token_ids), len(script) - 1)])
+        return out
+
+
+def xtml_answer_ids(template, message: dict, thinking: bool = True) -> list[int]:
+    """The ids the model writes for an assistant `message` in K3's XTML format (after the generation prompt, up to
+    and including <|end_of_msg|>): the rendered message minus the rendered prompt, segment for segment."""
+    from openk3.data.xtml import encode_xtml
+
+    user = {"role": "user", "content": "x"}
+    full = template.render([user, message], add_generation_prompt=False, thinking=thinking)
+    prompt = template.render([user], add_generation_prompt=True, thinking=thinking)
+    assert full[: len(prompt)] == prompt
+    return encode_xtml(full[len(prompt) :], template.tokenizer)

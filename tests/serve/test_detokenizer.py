@@ -11,7 +11,7 @@ import torch
 from serve_helpers import bpe_tokenizer
 
 from openk3.data.tokenizer import ByteTokenizer, TikTokenTokenizer
-from openk3.serve.detokenizer import IncrementalDetokenizer
+from openk3.data.detokenizer import IncrementalDetokenizer
 
 VOCAB, BOS, EOS, PAD = 1024, 768, 770, 1023
 TEXT = "héllo wörld — 你好，世界 🎉🎉 naïve café\n\tdef f(x): return x ** 2  # ∑ résumé ✓ " * 3
@@ -56,9 +56,13 @@ def test_incremental_text_is_the_full_decode_at_every_token(name):
         for ids in _streams(tok, seed):
             final = tok.decode(ids)
             detok = IncrementalDetokenizer(tok)
+            taker, taken = IncrementalDetokenizer(tok), ""  # hands its committed text over at each token
             longest = 0
             for n, t in enumerate(ids, 1):
                 detok.append(t)
+                taker.append(t)
+                taken += taker.take()
+                assert taken == detok.text and taker.pending == detok.pending
                 assert detok.text + detok.pending == tok.decode(ids[:n])
                 assert final.startswith(detok.text)  # what was committed is never revised
                 longest = max(longest, len(detok.window))

@@ -1,4 +1,5 @@
-"""Incremental detokenization: one sample's output text, grown token by token instead of re-decoded each step.
+"""Incremental detokenization: one sample's output text, grown token by token instead of re-decoded each step. The
+engine keeps one per sample; the XTML output parser (data/xtml_parse.py) one per text run between markers.
 
 The prefix/read-offset scheme (HF text-generation-inference, vLLM): the text of ids[:read] is final; a new token
 decodes the short window ids[prefix:] and the new text is what it adds to the window's own decode of
@@ -42,6 +43,13 @@ class IncrementalDetokenizer:
             self.window = self.window[self.read :]
             self.read = len(self.window)
             self.prefix_text = self.tokenizer.decode(self.window)
+
+    def take(self) -> str:
+        """The text committed since the last `take`, handed over and dropped here. For a caller that keeps the text
+        itself and uses no stop strings (the XTML parser): `text` then stays short, where growing it by `+=` on an
+        attribute would copy the whole output at every token."""
+        new, self.text = self.text, ""
+        return new
 
     def find_stop(self) -> str | None:
         """The stop string the last token completed (the first of `stop` in list order), else None; the output is

@@ -201,6 +201,8 @@ class Trainer:
                              f"{row['grad_norm']}); skipped ({self.nonfinite_run} in a row, {self.nonfinite_total} in all)")  # fmt: skip
                 elif self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     row.update(self.evaluate())
+                    if self.layout.rank == 0:  # every rank evaluates the same batches; one line is enough
+                        _print_above(bar, self.log, _eval_line(row))
                 row["elapsed_s"] = time.perf_counter() - started  # wall time of this invocation, evaluations included
                 self._append_metrics(row)
                 last_row = row
@@ -323,6 +325,23 @@ def _metrics_step(line: str) -> float:
         return json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):
         return math.inf
+
+
+def _eval_line(row: dict) -> str:
+    """One line per evaluation, e.g. `step 50: val_loss 4.812 (unigram 5.770), mqar 12%, needle 0%`."""
+    parts = [f"step {row['step']}: val_loss {row['val_loss']:.3f}"] if "val_loss" in row else [f"step {row['step']}:"]
+    if "unigram_loss" in row:
+        parts[0] += f" (unigram {row['unigram_loss']:.3f})"
+    parts += [f"{name} {row[key]:.0%}" for key, name in (("mqar_acc", "mqar"), ("needle_acc", "needle")) if key in row]
+    return ", ".join(parts)
+
+
+def _print_above(bar, log, line: str) -> None:
+    """A line above the progress bar (tqdm redraws the bar below it); plain `log` when there is no bar."""
+    if hasattr(bar, "write") and log is print:
+        bar.write(line)
+    else:
+        log(line)
 
 
 def _progress(total: int, initial: int, enabled: bool):

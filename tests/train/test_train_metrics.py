@@ -43,3 +43,22 @@ def test_random_floor_is_deterministic_and_scales_like_one_over_sqrt_q_bar():
     q_bar = 4096 * k / n
     assert abs(f1 / (1.42 * math.sqrt((1 - k / n) / q_bar)) - 1) < 0.25
     assert random_routing_maxvio_floor(4096, n, k, trials=64, seed=0, num_layers=8) > f1  # max over layers
+
+
+def test_each_evaluation_prints_one_line():
+    """`k3 train` prints a line per evaluation (README: "evaluates every 50 steps and prints one line each time")."""
+    from openk3.train.trainer import _eval_line, _print_above
+
+    row = {"step": 50, "loss": 5.9, "val_loss": 5.8561, "unigram_loss": 5.77, "mqar_acc": 0.125, "needle_acc": 0.0}
+    assert _eval_line(row) == "step 50: val_loss 5.856 (unigram 5.770), mqar 12%, needle 0%"
+    assert _eval_line({"step": 3, "val_loss": 1.0}) == "step 3: val_loss 1.000"
+    lines = []
+    _print_above(object(), lines.append, "x")  # no bar (another rank, --no-progress): the trainer's log
+    written = []
+
+    class Bar:
+        def write(self, line):
+            written.append(line)
+
+    _print_above(Bar(), print, "y")  # above the progress bar, which tqdm redraws below it
+    assert lines == ["x"] and written == ["y"]

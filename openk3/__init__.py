@@ -1,11 +1,13 @@
 """openk3: the Kimi K3 system as one readable PyTorch package.
 
-Users need two names: `K3Config` (the released config.json as dataclasses, plus presets) and `K3ForCausalLM`
-(the model, checkpoint-compatible with the release).
+Users need three names: `K3Config` (the released config.json as dataclasses, plus presets), `K3ForCausalLM` (the
+model, checkpoint-compatible with the release) and `load_tokenizer` (a checkpoint's tokenizer: the release's tiktoken
+files, our BPE, or the byte fallback).
 """
 
 from openk3.config import K3Config
+from openk3.data.tokenizer import load_tokenizer
 from openk3.model.model import K3ForCausalLM
 
-__all__ = ["K3Config", "K3ForCausalLM"]
+__all__ = ["K3Config", "K3ForCausalLM", "load_tokenizer"]
 __version__ = "0.1.0"

@@ -21,7 +21,7 @@ ALLOWED = {
     "serve": {"model", "ops", "parallel", "data", "config", "utils"},
     "rl": {"serve", "train", "model", "data", "config", "utils"},
     "cli": None,  # anything
-    "__init__": {"config", "model"},
+    "__init__": {"config", "model", "data"},
 }
 NO_DISTRIBUTED = {"utils", "config", "ops", "model", "data"}
 

@@ -1,16 +1,9 @@
-"""Shared fixtures: paths to the official-format checkpoints (copied from shared/fixtures, see their README)."""
+"""Shared fixtures (the fixture checkpoints' paths are in fixture_paths.py)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-PLAIN = os.path.join(FIXTURES, "k3-official-tiny")
-MXFP4 = os.path.join(FIXTURES, "k3-official-tiny-mxfp4")
-LOGITS = os.path.join(FIXTURES, "k3-official-tiny-logits.safetensors")
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 from openk3.config import K3Config, K3TextConfig, LinearAttnConfig
 
 from config_edit import edited_preset
-from conftest import MXFP4, PLAIN
+from fixture_paths import MXFP4, PLAIN
 
 
 @pytest.mark.parametrize("folder", [PLAIN, MXFP4])

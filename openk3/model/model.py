@@ -95,7 +95,7 @@ class K3Model(nn.Module):
 
 @dataclass
 class CausalLMOutput:
-    """`K3ForCausalLM.forward(..., labels=...)`'s result, with Hugging Face's CausalLMOutputWithPast names."""
+    """`K3ForCausalLM.forward`'s result, with Hugging Face's CausalLMOutputWithPast names."""
 
     logits: torch.Tensor  # [B, T, V]
     loss: torch.Tensor | None = None  # scalar, fp32
@@ -211,23 +211,23 @@ class K3ForCausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: K3Cache | None = None,
         labels: torch.Tensor | None = None,
-        return_dict: bool = False,
-    ) -> torch.Tensor | CausalLMOutput:
-        """input_ids [B, T] -> logits [B, T, V]; padded positions (attention_mask 0) get zero logits.
+        return_dict: bool = True,
+    ) -> CausalLMOutput | torch.Tensor:
+        """input_ids [B, T] -> a `CausalLMOutput` as in Hugging Face: `.logits` [B, T, V] (padded positions,
+        attention_mask 0, get zero logits), `.loss` with `labels` [B, T] (the mean cross-entropy of logits[:, t]
+        against labels[:, t + 1]; labels equal to config.ignore_index, -100, are ignored: set padding to it), else
+        None, and `.past_key_values` (the cache passed in). `return_dict=False` returns the bare logits tensor.
 
         `attention_mask` covers only the tokens of this call (the cache holds the rest); padding may sit anywhere,
-        the released convention is left padding. With a cache, row b continues cached sequence b.
-
-        With `labels` [B, T] (or `return_dict=True`) the result is a `CausalLMOutput` as in Hugging Face: `.logits`,
-        `.loss` (the mean cross-entropy of logits[:, t] against labels[:, t + 1]; labels equal to config.ignore_index,
-        -100, are ignored: set padding to it) and `.past_key_values` (the cache passed in). Without either, the bare
-        logits tensor (what openk3's own callers use)."""
+        the released convention is left padding. With a cache, row b continues cached sequence b."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        if labels is not None and not return_dict:
+            raise ValueError("labels give a loss, which only the CausalLMOutput carries: leave return_dict=True")
         logits = self._logits(input_ids, attention_mask, cache)
-        if labels is None and not return_dict:
+        if not return_dict:
             return logits
         loss = None
         if labels is not None:
@@ -279,7 +279,7 @@ class K3ForCausalLM(nn.Module):
         gen = torch.Generator(device=input_ids.device).manual_seed(seed) if seed is not None else None
         B = input_ids.shape[0]
         cache = self.new_cache(B)
-        logits = self.forward(input_ids, attention_mask, cache)[:, -1]
+        logits = self.forward(input_ids, attention_mask, cache, return_dict=False)[:, -1]
         pad = self.text_config.pad_token_id
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         out = [input_ids]
@@ -291,7 +291,7 @@ class K3ForCausalLM(nn.Module):
                 done |= nxt == eos_token_id
             if bool(done.all()) or step == max_new_tokens - 1:
                 break
-            logits = self.forward(nxt[:, None], None, cache)[:, -1]
+            logits = self.forward(nxt[:, None], None, cache, return_dict=False)[:, -1]
         return torch.cat(out, dim=1)
 
     # ---- parameter counts ------------------------------------------------------------------------------------

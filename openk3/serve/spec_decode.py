@@ -85,13 +85,13 @@ class DraftModelProposer:
             cache, fed = self.model.new_cache(1), 0
         if fed < len(tokens) - 1:  # commit everything but the last token (the verify pass's first input)
             ids = torch.tensor([tokens[fed : len(tokens) - 1]], device=self.device)
-            self.model(ids, None, cache)
+            self.model(ids, None, cache, return_dict=False)
             fed = len(tokens) - 1
         self.caches[id(req)] = (cache, fed, None)
         draft_cache = copy.deepcopy(cache)
         nxt, drafts = tokens[-1], []
         for _ in range(k):
-            logits = self.model(torch.tensor([[nxt]], device=self.device), None, draft_cache)[0, -1]
+            logits = self.model(torch.tensor([[nxt]], device=self.device), None, draft_cache, return_dict=False)[0, -1]
             nxt = int(logits.argmax())
             drafts.append(nxt)
         return drafts

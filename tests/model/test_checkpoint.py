@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from openk3 import K3Config, K3ForCausalLM
 from openk3.utils import rel_rms
 
-from conftest import LOGITS, MXFP4, PLAIN
+from fixture_paths import LOGITS, MXFP4, PLAIN
 
 
 def _tensors(folder):
@@ -32,7 +32,7 @@ def test_fixture_reproduces_official_logits(folder):
     ref = load_file(LOGITS)
     model = K3ForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
-        logits = model(ref["input_ids"])
+        logits = model(ref["input_ids"]).logits
     err = rel_rms(logits, ref["logits"])
     print(f"{os.path.basename(folder)}: relative RMS vs official fp32 logits = {err:.3e}")
     assert err <= 1e-4  # STYLE.md §5; about 1e-6 observed
@@ -55,7 +55,7 @@ def test_bf16_model_tracks_fp32_reference():
     ref = load_file(LOGITS)
     model = K3ForCausalLM.from_pretrained(PLAIN)  # stored dtypes: bf16 with the fp32 extras
     with torch.no_grad():
-        logits = model(ref["input_ids"])
+        logits = model(ref["input_ids"]).logits
     assert logits.dtype == torch.bfloat16
     # Each bf16 layer adds ~1e-2 relative error (bf16 ops are checked at <= 1e-2 in tests/ops); nine random layers
     # accumulate 2.4e-2 with identical expert choices. A wrong rounding order or an fp32 tensor cast to bf16
@@ -83,7 +83,7 @@ def test_resave_gives_identical_text_tensors(folder, shard, tmp_path):
     again = K3ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     ref = load_file(LOGITS)
     with torch.no_grad():
-        assert rel_rms(again(ref["input_ids"]), ref["logits"]) <= 1e-4
+        assert rel_rms(again(ref["input_ids"]).logits, ref["logits"]) <= 1e-4
 
 
 def test_plain_model_saved_as_mxfp4_loads_identically(tmp_path):

@@ -1,13 +1,13 @@
-"""HF conventions of K3ForCausalLM.forward: `labels=` gives `.loss` (shifted cross-entropy, -100 ignored) beside
-`.logits` and `.past_key_values`; without labels the bare logits tensor (openk3's callers); configs we build carry
-no auto_map to modeling files the folder does not hold (a release's own is kept)."""
+"""HF conventions of K3ForCausalLM.forward: the result is a `CausalLMOutput` (`.logits`, `.past_key_values`, and with
+`labels=` `.loss`: shifted cross-entropy, -100 ignored); `return_dict=False` gives the bare logits tensor; configs we
+build carry no auto_map to modeling files the folder does not hold (a release's own is kept)."""
 
 import json
 
 import pytest
 import torch
 
-from conftest import PLAIN
+from fixture_paths import PLAIN
 from openk3.config import K3Config
 from openk3.model.model import CausalLMOutput, K3ForCausalLM
 
@@ -26,7 +26,7 @@ def test_labels_give_the_shifted_loss_and_ignore_minus_100(tiny):
     labels[0, :4] = -100  # e.g. a prompt
     labels[1, -1] = -100
     with torch.no_grad():
-        bare = tiny(ids)
+        bare = tiny(ids).logits
         out = tiny(ids, labels=labels)
     assert isinstance(out, CausalLMOutput) and torch.equal(out.logits, bare) and out.past_key_values is None
     # The reference: each kept (row, t) pair's -log softmax(logits[t])[labels[t + 1]], averaged.
@@ -45,9 +45,12 @@ def test_return_dict_and_cache(tiny):
     ids = torch.randint(0, tiny.text_config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(2))
     cache = tiny.new_cache(1)
     with torch.no_grad():
-        out = tiny(ids, None, cache, return_dict=True)
-        assert out.loss is None and out.past_key_values is cache
-        assert torch.equal(out.logits, tiny(ids))
+        out = tiny(ids, None, cache)
+        assert isinstance(out, CausalLMOutput) and out.loss is None and out.past_key_values is cache
+        bare = tiny(ids, return_dict=False)
+        assert isinstance(bare, torch.Tensor) and torch.equal(out.logits, bare)
+    with pytest.raises(ValueError, match="leave return_dict=True"):
+        tiny(ids, labels=ids, return_dict=False)
     loss = tiny(ids, labels=ids).loss  # differentiable
     loss.backward()
     assert tiny.lm_head.weight.grad is not None

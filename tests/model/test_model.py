@@ -42,9 +42,10 @@ def test_preset_sizes(name, low, high):
 def test_cached_decode_matches_full_forward(tiny):
     ids = torch.randint(0, 1000, (2, 41), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        full = tiny(ids)
+        full = tiny(ids).logits
         cache = tiny.new_cache(2)
-        steps = [tiny(ids[:, :6], None, cache)] + [tiny(ids[:, t : t + 1], None, cache) for t in range(6, 41)]
+        steps = [tiny(ids[:, :6], None, cache).logits]
+        steps += [tiny(ids[:, t : t + 1], None, cache).logits for t in range(6, 41)]
     err = rel_rms(torch.cat(steps, 1), full)
     print(f"cached decode vs full forward: {err:.2e}")
     assert err <= 1e-5
@@ -55,10 +56,10 @@ def test_cached_decode_matches_full_forward(tiny):
 def test_chunked_prefill_matches_whole(tiny, cuts):
     ids = torch.randint(0, 1000, (1, 45), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        whole = tiny(ids)
+        whole = tiny(ids).logits
         cache = tiny.new_cache(1)
         bounds = [0, *cuts, 45]
-        parts = [tiny(ids[:, a:b], None, cache) for a, b in zip(bounds[:-1], bounds[1:])]
+        parts = [tiny(ids[:, a:b], None, cache).logits for a, b in zip(bounds[:-1], bounds[1:])]
     assert rel_rms(torch.cat(parts, 1), whole) <= 1e-5
 
 
@@ -73,16 +74,16 @@ def test_padded_batch_matches_each_sequence_alone(tiny):
         ids[i, T - len(s) :] = s
         mask[i, T - len(s) :] = 1
     with torch.no_grad():
-        batched = tiny(ids, mask)
+        batched = tiny(ids, mask).logits
         for i, s in enumerate(seqs):
-            alone = tiny(s[None])[0]
+            alone = tiny(s[None]).logits[0]
             assert rel_rms(batched[i, T - len(s) :], alone) <= 1e-5
             assert torch.all(batched[i, : T - len(s)] == 0)
         # Padding on the right works the same way: only the mask decides what is a token.
         right_ids, right_mask = torch.full_like(ids, pad), torch.zeros_like(mask)
         for i, s in enumerate(seqs):
             right_ids[i, : len(s)], right_mask[i, : len(s)] = s, 1
-        right = tiny(right_ids, right_mask)
+        right = tiny(right_ids, right_mask).logits
         for i, s in enumerate(seqs):
             assert rel_rms(right[i, : len(s)], batched[i, T - len(s) :]) <= 1e-5
 
@@ -98,16 +99,16 @@ def test_padded_batch_decode_matches_alone(tiny):
     with torch.no_grad():
         cache = tiny.new_cache(2)
         tiny(ids, mask, cache)
-        steps = torch.cat([tiny(nxt[:, t : t + 1], None, cache) for t in range(4)], 1)
+        steps = torch.cat([tiny(nxt[:, t : t + 1], None, cache).logits for t in range(4)], 1)
         for i, s in enumerate((a, b)):
-            alone = tiny(torch.cat([s, nxt[i]])[None])[0, -4:]
+            alone = tiny(torch.cat([s, nxt[i]])[None]).logits[0, -4:]
             assert rel_rms(steps[i], alone) <= 1e-5
 
 
 def _greedy_without_cache(model, ids, n):
     out, margins = ids, []
     for _ in range(n):
-        logits = model(out)[:, -1]
+        logits = model(out).logits[:, -1]
         top2 = logits.topk(2, dim=-1).values
         margins.append((top2[:, 0] - top2[:, 1]).min().item())
         out = torch.cat([out, logits.argmax(-1, keepdim=True)], 1)
@@ -159,7 +160,7 @@ def test_init_weights_follows_the_recipe():
     std = params["model.layers.0.self_attn.q_proj.weight"].std().item()
     assert math.isclose(std, text.initializer_range, rel_tol=0.05)
     with torch.no_grad():
-        logits = model(torch.randint(0, 1000, (1, 20)))
+        logits = model(torch.randint(0, 1000, (1, 20))).logits
     assert torch.isfinite(logits).all()
 
 
@@ -173,7 +174,7 @@ def test_every_parameter_gets_a_gradient(tiny):
     model = K3ForCausalLM(K3Config.preset("tiny"))
     model.init_random_weights(1)
     ids = torch.randint(0, 1000, (2, 19), generator=torch.Generator().manual_seed(7))
-    logits = model(ids)
+    logits = model(ids).logits
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     loss.backward()
     for name, p in model.named_parameters():
@@ -199,7 +200,7 @@ def test_to_dtype_keeps_release_fp32_tensors(tiny):
         m.model.layers[0].register_forward_hook(lambda mod, args, out, tag=tag: outputs.__setitem__(tag, out))
     ids = torch.randint(0, 1000, (1, 9))
     with torch.no_grad():
-        out = model(ids)
+        out = model(ids).logits
         tiny(ids)
     for m in (model, tiny):
         m.model.layers[0]._forward_hooks.clear()
@@ -298,7 +299,7 @@ def test_packed_documents_match_each_document_alone(tiny):
         for r, lens in enumerate(docs):
             start = 0
             for n in lens:
-                alone = tiny(ids[r : r + 1, start : start + n])[0]
+                alone = tiny(ids[r : r + 1, start : start + n]).logits[0]
                 assert rel_rms(packed[r, start : start + n], alone) <= 1e-5
                 start += n
     with pytest.raises(ValueError, match="sum to the row length"):

@@ -30,7 +30,7 @@ def batch() -> torch.Tensor:
 
 
 def loss_and_grads(model, ids):
-    logits = model(ids[:, :-1])
+    logits = model(ids[:, :-1]).logits
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     loss.backward()
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -37,7 +37,7 @@ def greedy_reference(model, prompt: list[int], n: int) -> tuple[list[int], int]:
     a last-bit difference could legitimately flip the argmax."""
     ids = torch.tensor([prompt])
     out = model.generate(ids, max_new_tokens=n)[0, len(prompt) :].tolist()
-    logits = model(torch.tensor([prompt + out]))[0, len(prompt) - 1 : len(prompt) - 1 + len(out)]
+    logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(out)]
     top2 = logits.topk(2, -1).values
     margins = (top2[:, 0] - top2[:, 1]).tolist()
     clear = next((i for i, m in enumerate(margins) if m <= MARGIN), len(margins))

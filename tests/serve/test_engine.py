@@ -51,7 +51,7 @@ def test_engine_greedy_matches_generate_with_staggered_arrivals(model):
 def test_chunked_prefill_matches_one_shot(model, budget):
     prompt = random_prompt(150, seed=3)
     with torch.no_grad():
-        want = model(torch.tensor([prompt]))[0, -1].float()
+        want = model(torch.tensor([prompt])).logits[0, -1].float()
     engine = make_engine(model, hash_unit=16, block_size=32, max_num_batched_tokens=budget,
                          enable_prefix_caching=False)  # fmt: skip
     tap = LogitTap(engine)
@@ -67,7 +67,7 @@ def test_decode_logits_match_full_forward(model):
     engine.add_request({"prompt_token_ids": prompt}, SamplingParams(max_tokens=20), request_id="a")
     out = run_to_end(engine)["a"]
     with torch.no_grad():
-        full = model(torch.tensor([prompt + out]))[0, len(prompt) - 1 : -1]
+        full = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1]
     assert rel_rms(torch.stack(tap.rows["a"]), full) <= 1e-5
 
 

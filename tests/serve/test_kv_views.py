@@ -113,5 +113,5 @@ def test_paged_decode_matches_full_forward():
             for i, row in enumerate(model.forward_batch(batch)):
                 out[i].append(row)
         for i, p in enumerate(prompts):
-            alone = model(torch.cat([p, steps[i, :3]])[None])[0, len(p) - 1 :]
+            alone = model(torch.cat([p, steps[i, :3]])[None]).logits[0, len(p) - 1 :]
             assert rel_rms(torch.stack(out[i]), alone) <= 1e-5

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import PLAIN
+from fixture_paths import PLAIN
 
 from openk3.cli import main
 from openk3.config import K3Config

@@ -215,7 +215,7 @@ from openk3.train.config import TrainConfig
 model = K3ForCausalLM(K3Config.preset("tiny"))
 model.init_random_weights(0)
 opt = build_optimizer(model, TrainConfig())
-model(torch.randint(0, 700, (1, 8))).sum().backward()
+model(torch.randint(0, 700, (1, 8))).logits.sum().backward()
 opt.step()
 balancer = Balancer(model, "quantile").state_dict()
 step = 1

@@ -35,7 +35,6 @@ import torch
 from report import write_report
 
 from openk3.model.batch import ForwardBatch
-from openk3.model.model import K3ForCausalLM
 from openk3.ops.moe.route import route_topk
 from openk3.train.balance import (
     bias_bounds,
@@ -133,7 +132,8 @@ def main() -> None:
     parser.add_argument("--ema", type=float, default=0.5, help="the damped variant's --balance-ema")
     parser.add_argument("--out", default="benchmarks/results/balance-diagnosis")
     args = parser.parse_args()
-    model = load_model(args.ckpt, dtype=torch.float32)[0].eval()
+    model, ckpt = load_model(args.ckpt, dtype=torch.float32)
+    model.eval()
     text = model.config.text_config
     k, E = text.num_experts_per_token, text.num_experts
     biases = [m.gate.e_score_correction_bias.float().clone() for _, m in moe_layers(model)]

@@ -34,7 +34,7 @@ import time
 import torch
 import torch.nn.functional as F
 from kda_baselines import kda_chunked_logspace
-from report import dtype_name, load_info, machine_info, measure_matmul, write_report
+from report import dtype_name, load_info, machine_info, measure_matmul, targets_table, write_report
 
 from openk3.ops.kda import kda_chunked, kda_gate, kda_recurrent
 from openk3.ops.kda.chunk_bf16 import kda_chunked_bf16
@@ -374,11 +374,8 @@ def markdown(result) -> str:
         f"Load before / after: `{m['load_before']}` / `{m.get('load_after', '')}`.  ",
         "Matmul rate (best 2048² GEMM, this run): "
         + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result["matmul_gflops"].items()) + ".", "",
-        "## Targets (issue #3)", "", "| target | measured | met |", "|---|---|---|",
     ]  # fmt: skip
-    for t in result["targets"]:
-        met = "yes" if t["met"] else "**no**" if t["met"] is False else "n/a"
-        lines.append(f"| {t['target']} | {t['measured']} | {met} |")
+    lines += targets_table(result["targets"], "issue #3")
     lines += ["", "## Cells", "", "| shape | dtype | path | mode | T | ms (min) | ms (median) | GFLOP/s | % matmul | "
               "peak MiB |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for c in result["cells"]:

@@ -34,6 +34,16 @@ def write_report(result: dict, out: str, markdown: str) -> None:
     print(f"wrote {prefix}.json and {prefix}.md")
 
 
+def targets_table(targets: list[dict], issue: str, na: str = "n/a") -> list[str]:
+    """The "Targets" section every benchmark report opens with: one row per {"target", "measured", "met"}, where met
+    None (not measured at full size) reads `na`."""
+    lines = [f"## Targets ({issue})", "", "| target | measured | met |", "|---|---|---|"]
+    for t in targets:
+        met = "yes" if t["met"] else "**no**" if t["met"] is False else na
+        lines.append(f"| {t['target']} | {t['measured']} | {met} |")
+    return lines
+
+
 def machine_info() -> dict:
     """CPU model, cores, torch and Python versions, torch's thread count and the load before the run."""
     model = platform.processor()

@@ -30,7 +30,7 @@ import statistics
 import time
 
 import torch
-from report import load_info, machine_info, measure_matmul, write_report
+from report import load_info, machine_info, measure_matmul, targets_table, write_report
 
 from openk3.config import K3Config
 from openk3.data.tokenizer import load_tokenizer
@@ -335,11 +335,8 @@ def markdown(r: dict) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['threads']} thread(s).  ",
         f"Load before / after: `{m['load_before']}` / `{m.get('load_after', '')}`.  ",
         f"Matmul rate (this run): {r['matmul_gflops']['fp32']:.0f} GFLOP/s fp32.", "",
-        "## Targets (issue #5)", "", "| target | measured | met |", "|---|---|---|",
     ]  # fmt: skip
-    for t in r["targets"]:
-        met = "yes" if t["met"] else "**no**" if t["met"] is False else "n/a"
-        lines.append(f"| {t['target']} | {t['measured']} | {met} |")
+    lines += targets_table(r["targets"], "issue #5")
     lines += ["", "## Decode (random weights; contexts interleaved in rounds)", "",
               "| preset | layers | context | prefill s | ms/token (median) | ms/token (min) |",
               "|---|---|---:|---:|---:|---:|"]  # fmt: skip

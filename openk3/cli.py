@@ -11,13 +11,16 @@
     k3 serve --ckpt DIR [--host H] [--port P]             OpenAI-compatible server (/v1/completions, /v1/chat/...)
     k3 chat --ckpt DIR                                   interactive terminal chat with streaming
     k3 plan (--ckpt DIR | --preset NAME) [...]           hybrid-cache bytes per token and request vs all-MLA
-    k3 bench (kda|serve|ep) [...]                        the checkout's benchmarks/NAME.py (`k3 bench kda --help`)
+    k3 bench (kda|serve|ep|sandbox) [...]                the checkout's benchmarks/NAME.py (`k3 bench kda --help`)
+    k3 sandbox serve [--socket PATH] [...]               a sandbox fleet behind a Unix socket (owns the sandboxes)
+    k3 sandbox (create|exec|snapshot|restore|fork|ls|rm) [...]   talk to it; `k3 sandbox bench` measures the backend
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import sys
@@ -388,7 +391,7 @@ def cmd_plan(args) -> int:
 
 
 # The benchmarks live in the checkout beside the package (benchmarks/NAME.py), not in the installed package.
-BENCHMARKS = ("kda", "serve", "ep")
+BENCHMARKS = ("kda", "serve", "ep", "sandbox")
 BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
@@ -408,6 +411,154 @@ def load_benchmark(name: str):
 
 def cmd_bench(args) -> int:
     return load_benchmark(args.which).main(args.rest)
+
+
+SANDBOX_HELP = """Isolated sandboxes for agents (openk3.sandbox). A sandbox is a process tree owned by the process that
+created it, so a command that exits cannot leave one behind: `k3 sandbox serve` is that owner, a fleet you start (and
+stop with Ctrl-C, which closes every sandbox) listening on a Unix socket; create, exec, snapshot, restore, fork, ls and
+rm talk to it and exit. Nothing starts a server implicitly. `k3 sandbox bench` needs no server."""
+
+
+def cmd_sandbox(args) -> int:
+    """`k3 sandbox SUBCOMMAND`: serve runs the fleet; the others are one request each to it."""
+    from openk3.sandbox.base import SandboxError
+    from openk3.sandbox.fleet_server import default_socket
+
+    if args.sandbox_command != "bench":
+        args.socket = args.socket or default_socket()
+    try:
+        return _SANDBOX_COMMANDS[args.sandbox_command](args)
+    except (SandboxError, ConnectionError) as err:
+        print(f"k3 sandbox {args.sandbox_command}: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+
+
+def _sandbox_serve(args) -> int:
+    import signal
+    import threading
+
+    from openk3.sandbox.fleet import Fleet
+    from openk3.sandbox.fleet_server import serve
+
+    limits = {k: getattr(args, k) for k in ("memory_mb", "cpus", "max_pids", "disk_mb") if getattr(args, k) is not None}
+    fleet = Fleet(max_sandboxes=args.max_sandboxes, base_image=args.image, warm=args.warm,
+                  idle_timeout_s=args.idle_timeout, **limits)  # fmt: skip
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"k3 sandbox serve: listening on {args.socket} (max {args.max_sandboxes} sandboxes, {args.warm} warm, "
+          f"idle ones closed after {args.idle_timeout:g} s); Ctrl-C closes every sandbox", file=sys.stderr)  # fmt: skip
+    serve(fleet, args.socket, stop)
+    return 0
+
+
+def _sandbox_request(args, op: str, **kwargs):
+    from openk3.sandbox.fleet_server import request
+
+    return request(args.socket, op, **kwargs)
+
+
+def _sandbox_exec(args) -> int:
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise ValueError("k3 sandbox exec: no command (k3 sandbox exec ID -- CMD [ARG ...])")
+    stdin = sys.stdin.read() if args.stdin else None
+    r = _sandbox_request(args, "exec", timeout=args.timeout + 60, id=args.id, cmd=cmd, stdin=stdin)
+    sys.stdout.write(r["stdout"])
+    sys.stderr.write(r["stderr"])
+    if r["timed_out"] or r["limit"] or r["truncated"]:
+        print(f"k3 sandbox exec: exit {r['exit_code']}, limit hit: {r['limit']}, output truncated: {r['truncated']}",
+              file=sys.stderr)  # fmt: skip
+    return r["exit_code"]
+
+
+def _sandbox_ls(args) -> int:
+    if args.metrics:
+        sys.stdout.write(_sandbox_request(args, "metrics"))
+        return 0
+    listing = _sandbox_request(args, "ls")
+    if args.json:
+        print(json.dumps(listing, indent=1))
+        return 0
+    print(f"{'SANDBOX':24} {'STATE':8} {'IDLE s':>7} {'LAYERS':>6} {'MEMORY MiB':>10} {'DISK MiB':>9} {'PIDS':>5}")
+    for r in listing["sandboxes"]:
+        print(f"{r['id']:24} {r['state']:8} {r['idle_s']:>7} {r['layers']:>6} {r['memory_bytes'] / 2**20:>10.1f} "
+              f"{r['disk_bytes'] / 2**20:>9.1f} {r['pids']:>5}")  # fmt: skip
+    for ref in listing["snapshots"]:
+        print(f"snapshot {ref['id']} ({len(ref['layers'])} layers, node {ref['node']})")
+    s = listing["stats"]
+    print(f"{s['live']} live ({s['paused']} paused), {s['warm']} warm of {s['max_sandboxes']}; {s['layers']} layers, "
+          f"{s['layer_bytes'] / 2**20:.1f} MiB")  # fmt: skip
+    return 0
+
+
+def _sandbox_rm(args) -> int:
+    r = _sandbox_request(args, "rm", ids=args.ids)
+    print(f"removed {' '.join(r['removed'])}; deleted {len(r['layers_deleted'])} unused layers")
+    return 0
+
+
+_SANDBOX_COMMANDS = {
+    "serve": _sandbox_serve,
+    "create": lambda args: print(_sandbox_request(args, "create")["id"]) or 0,
+    "exec": _sandbox_exec,
+    "snapshot": lambda args: print(_sandbox_request(args, "snapshot", id=args.id, stop=args.stop_processes)["id"]) or 0,
+    "restore": lambda args: _sandbox_request(args, "restore", id=args.id, snapshot=args.snapshot) or 0,
+    "fork": lambda args: print("\n".join(_sandbox_request(args, "fork", source=args.source, n=args.n)["ids"])) or 0,
+    "ls": _sandbox_ls,
+    "rm": _sandbox_rm,
+    "bench": lambda args: load_benchmark("sandbox").main(args.rest),
+}
+
+
+def _add_sandbox_parser(sub) -> None:
+    p = sub.add_parser("sandbox", help="isolated sandboxes: serve a fleet, then create/exec/snapshot/... against it",
+                       description=SANDBOX_HELP)  # fmt: skip
+    ssub = p.add_subparsers(dest="sandbox_command", required=True)
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        # bench hands every argument, --help included, to the benchmark's own parser: it has no options of its own.
+        extra = {"prefix_chars": "+", "add_help": False} if name == "bench" else {}
+        q = ssub.add_parser(name, help=help_text, description=help_text, formatter_class=_DefaultsHelpFormatter,
+                            **extra)  # fmt: skip
+        if name != "bench":
+            q.add_argument("--socket", default=None,
+                           help="the server's Unix socket (default: openk3-sandbox-UID.sock in $XDG_RUNTIME_DIR, "
+                           "else in the temp folder)")  # fmt: skip
+        q.set_defaults(func=cmd_sandbox)
+        return q
+
+    q = add("serve", "run a sandbox fleet in the foreground; Ctrl-C or SIGTERM closes every sandbox")
+    q.add_argument("--max-sandboxes", type=int, default=64)
+    q.add_argument("--warm", type=int, default=4, help="sandboxes kept started, ready for create")
+    q.add_argument("--idle-timeout", type=float, default=300.0, help="seconds with no call before a sandbox is closed")
+    q.add_argument("--image", default=None, help="a root filesystem folder (default: the host's /usr, read-only)")
+    q.add_argument("--memory-mb", type=int, default=None)
+    q.add_argument("--cpus", type=float, default=None)
+    q.add_argument("--max-pids", type=int, default=None)
+    q.add_argument("--disk-mb", type=int, default=None)
+    add("create", "start a sandbox; prints its id")
+    q = add("exec", "run CMD in a sandbox: its stdout and stderr, and its exit code as ours")
+    q.add_argument("id")
+    q.add_argument("--timeout", type=float, default=30.0, help="seconds before the command is killed")
+    q.add_argument("--stdin", action="store_true", help="send our stdin to the command")
+    q.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARG ...] (an argv, no shell: use sh -c '...')")
+    q = add("snapshot", "freeze a sandbox's files as a snapshot (files only, not process memory); prints its id")
+    q.add_argument("id")
+    q.add_argument("--stop-processes", action="store_true", help="stop processes still running instead of failing")
+    q = add("restore", "make a sandbox's files exactly a snapshot's (its processes are stopped)")
+    q.add_argument("id")
+    q.add_argument("snapshot")
+    q = add("fork", "new sandboxes from a snapshot id, or from a sandbox id (a snapshot taken now); prints their ids")
+    q.add_argument("source")
+    q.add_argument("-n", type=int, default=1)
+    q = add("ls", "the live sandboxes, the snapshots held, and the fleet's totals")
+    q.add_argument("--json", action="store_true", help="everything, as JSON")
+    q.add_argument("--metrics", action="store_true", help="the Prometheus metrics instead")
+    q = add("rm", "close sandboxes and release snapshots by id, then delete the layers nothing uses")
+    q.add_argument("ids", nargs="+")
+    q = add("bench", "benchmarks/sandbox.py: snapshot, restore, fork, create, exec and idle density (no server)")
+    q.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark (`k3 sandbox bench --help`)")
 
 
 def _add_threads(p: argparse.ArgumentParser) -> None:
@@ -558,10 +709,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--show-template", action="store_true", help="print the chat template and exit")
             p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("bench", help="benchmarks: kda, serve, ep")
+    p = sub.add_parser("bench", help="benchmarks: kda, serve, ep, sandbox")
     p.add_argument("which", choices=BENCHMARKS, help="benchmarks/NAME.py of the source checkout")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     p.set_defaults(func=cmd_bench)
+
+    _add_sandbox_parser(sub)
     return parser
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from openk3 import K3ForCausalLM
 from openk3.cli import main
 
-from conftest import PLAIN
+from fixture_paths import PLAIN
 
 
 def test_init_writes_nontrivial_checkpoint(tmp_path, capsys):
@@ -158,3 +158,89 @@ def test_serve_command_answers_http(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_sandbox_commands_against_a_served_fleet(tmp_path, monkeypatch, capsys):
+    """`k3 sandbox serve` owns the sandboxes; create, exec (stdout, stderr, stdin, exit code), snapshot, fork,
+    restore, ls and rm are one request each; SIGTERM closes every sandbox and removes the socket."""
+    import io
+    import signal
+    import time
+
+    sock = str(tmp_path / "sb.sock")
+    missing = str(tmp_path / "none.sock")
+    assert main(["sandbox", "ls", "--socket", missing]) == 2
+    assert "start one with `k3 sandbox serve`" in capsys.readouterr().err
+    serve = ["sandbox", "serve", "--socket", sock, "--warm", "1", "--max-sandboxes", "4", "--memory-mb", "256"]
+    proc = subprocess.Popen([sys.executable, "-m", "openk3.cli", *serve], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(sock):
+            if proc.poll() is not None:
+                err = proc.stderr.read()
+                if "SandboxUnavailable" in err:
+                    pytest.skip(f"namespace backend unavailable here: {err.strip().splitlines()[-1]}")
+                raise AssertionError(err)
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        assert os.stat(sock).st_mode & 0o777 == 0o600
+
+        def k3(*argv) -> tuple[int, str, str]:
+            rc = main(["sandbox", argv[0], "--socket", sock, *argv[1:]])
+            out, err = capsys.readouterr()
+            return rc, out, err
+
+        rc, sid, _ = k3("create")
+        sid = sid.strip()
+        assert rc == 0 and sid
+        assert k3("exec", sid, "--", "sh", "-c", "echo out; echo err >&2; exit 3") == (3, "out\n", "err\n")
+        monkeypatch.setattr("sys.stdin", io.StringIO("v1"))
+        assert k3("exec", "--stdin", sid, "--", "sh", "-c", "cat > state.txt")[0] == 0
+        rc, snap, _ = k3("snapshot", sid)
+        snap = snap.strip()
+        assert rc == 0 and snap
+        assert k3("exec", sid, "--", "sh", "-c", "echo v2 > state.txt")[0] == 0
+        rc, kids, _ = k3("fork", snap, "-n", "2")
+        kids = kids.split()
+        assert rc == 0 and len(kids) == 2
+        assert k3("exec", kids[1], "--", "cat", "state.txt")[1] == "v1"
+        assert k3("restore", sid, snap)[0] == 0
+        assert k3("exec", sid, "--", "cat", "state.txt")[1] == "v1"
+        rc, listing, _ = k3("ls")
+        assert rc == 0 and all(i in listing for i in [sid, *kids]) and f"snapshot {snap}" in listing
+        assert "3 live (0 paused), 1 warm of 4" in listing
+        assert 'openk3_sandbox_op_seconds_count{op="fork"} 1.0' in k3("ls", "--metrics")[1]
+        rc, _, err = k3("fork", snap, "-n", "2")
+        assert rc == 1 and "CapacityError" in err  # 3 live + 2 > 4
+        rc, out, _ = k3("rm", kids[0], kids[1], snap)
+        assert rc == 0 and "deleted 0 unused layers" in out  # sid stands on the snapshot's layer
+        rc, out, _ = k3("rm", sid)
+        assert rc == 0 and "deleted 1 unused layers" in out
+        assert k3("exec", sid, "--", "true")[0] == 2  # gone: a clear error, exit 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    assert not os.path.exists(sock)
+
+
+def test_sandbox_bench_quick(tmp_path, capsys):
+    """`k3 sandbox bench --quick` writes the issue's keys (and `k3 bench sandbox` is the same benchmark)."""
+    import json
+
+    from openk3.sandbox import NamespaceBackend, SandboxUnavailable
+
+    try:
+        NamespaceBackend().close()
+    except SandboxUnavailable as err:
+        pytest.skip(f"namespace backend unavailable here: {err}")
+    out = tmp_path / "sb.json"
+    assert main(["sandbox", "bench", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    keys = {"snapshot_ms", "restore_ms", "fork64_s", "create_ms_p50", "exec_true_ms_p50", "idle_sandboxes",
+            "host_true_ms_p50", "memory_per_idle_sandbox_mb"}  # fmt: skip
+    assert keys <= set(result) and all(result[k] > 0 for k in keys)
+    assert result["idle_sandboxes"] == 8 and len(result["targets"]) == 6
+    assert (tmp_path / "sb.md").read_text().startswith("# Sandbox benchmark")
+    with pytest.raises(SystemExit):
+        main(["bench", "sandbox", "--help"])
+    assert "usage: k3 sandbox bench" in capsys.readouterr().out

@@ -19,7 +19,8 @@ ALLOWED = {
     "data": {"utils"},
     "train": {"model", "ops", "parallel", "data", "config", "utils"},
     "serve": {"model", "ops", "parallel", "data", "config", "utils"},
-    "rl": {"serve", "train", "model", "data", "config", "utils"},
+    "sandbox": set(),
+    "rl": {"serve", "train", "sandbox", "model", "data", "config", "utils"},
     "cli": None,  # anything
     "__init__": {"config", "model", "data"},
 }

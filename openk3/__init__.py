@@ -2,12 +2,13 @@
 
 Users need three names: `K3Config` (the released config.json as dataclasses, plus presets), `K3ForCausalLM` (the
 model, checkpoint-compatible with the release) and `load_tokenizer` (a checkpoint's tokenizer: the release's tiktoken
-files, our BPE, or the byte fallback).
+files, our BPE, or the byte fallback); `K3ForConditionalGeneration` is the model with its vision tower (images in).
 """
 
 from openk3.config import K3Config
 from openk3.data.tokenizer import load_tokenizer
 from openk3.model.model import K3ForCausalLM
+from openk3.model.multimodal import K3ForConditionalGeneration
 
-__all__ = ["K3Config", "K3ForCausalLM", "load_tokenizer"]
+__all__ = ["K3Config", "K3ForCausalLM", "K3ForConditionalGeneration", "load_tokenizer"]
 __version__ = "0.1.0"

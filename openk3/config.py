@@ -2,8 +2,9 @@
 
 The dataclasses mirror the official JSON (spec/model.md §1): a top-level `K3Config` (model_type `kimi_k3`) holding a
 `K3TextConfig` (model_type `kimi_linear`) with its nested `LinearAttnConfig` and optional `QuantizationConfig`; the
-`vision_config` is kept as plain data until the vision tower exists. Unknown keys are kept in `extra` so that
-`from_pretrained` -> `save_pretrained` reproduces the official file byte for byte.
+`vision_config` is kept as plain data (it round-trips as read; model/vision.py's `VisionConfig` reads the fields the
+tower uses). Unknown keys are kept in `extra` so that `from_pretrained` -> `save_pretrained` reproduces the official
+file byte for byte.
 
 Layer schedule (spec/model.md §2, 0-based layer l): KDA iff l + 1 is in `linear_attn_config.kda_layers`, MLA iff l + 1
 is in `full_attn_layers`; dense FFN iff l < first_k_dense_replace (or off the MoE frequency); an AttnRes block starts
@@ -444,7 +445,7 @@ class K3Config(_JsonSection):
 
 
 def _vision_config_k3() -> dict[str, Any]:
-    """The released MoonViT settings (spec/model.md §12), kept as data until the vision tower exists."""
+    """The released MoonViT-V2 settings (spec/vision.md §1), as the release's config.json holds them."""
     return {
         "_attn_implementation": "flash_attention_2",
         "activation_func": "gelu_pytorch_tanh",

@@ -5,7 +5,9 @@ Our parameter names equal the checkpoint's after the prefix `language_model.`, e
   `...experts.{e}.w1.weight` (plain) or `...experts.{e}.w1.weight_packed` + `.weight_scale` (MXFP4, uint8);
 - `A_log`: we hold [H]; the checkpoint pads it with zeros to head_dim entries (96 -> 128 in the release);
   loading accepts any length >= H whose extra entries are exactly zero.
-Vision tensors (`vision_tower.*`, `mm_projector.*`) are skipped with a notice until the vision tower exists.
+Vision tensors (`vision_tower.*`, `mm_projector.*`, spec/vision.md §2) have our names exactly, in
+`K3ForConditionalGeneration` (model/multimodal.py), and keep their stored dtypes (bf16 in the release); the text
+model `K3ForCausalLM` skips them with a notice.
 
 Files: `model.safetensors`, or shards `model-0000i-of-0000n.safetensors` listed by `model.safetensors.index.json`.
 Pickle files (.bin/.pt/.pth/.ckpt) are refused and never opened: unpickling can run arbitrary code. Every file a
@@ -40,7 +42,7 @@ from openk3.utils import file_inside, open_permissions, read_json
 log = logging.getLogger("openk3")
 
 PREFIX = "language_model."
-SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.")
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -136,23 +138,27 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device="cpu"):
     reader = _Reader(files)
     with torch.device("meta"):
         model = cls(config)
+    # The multimodal model holds the text model as `language_model`, whose names are ours after that prefix.
+    text_model = getattr(model, "language_model", model)
+    ours = "language_model." if text_model is not model else ""
 
-    skipped = [k for k in files if k.startswith(SKIPPED_PREFIXES)]
-    if skipped:
-        log.warning("skipping %d vision tensors (vision_tower.*, mm_projector.*): the vision tower is not built yet",
-                    len(skipped))  # fmt: skip
-    used: set[str] = set(skipped)
+    used: set[str] = set()
+    skipped = [k for k in files if k.startswith(VISION_PREFIXES)]
+    if skipped and text_model is model:
+        log.warning("skipping %d vision tensors (vision_tower.*, mm_projector.*): K3ForCausalLM is the text model; "
+                    "load with K3ForConditionalGeneration to use them", len(skipped))  # fmt: skip
+        used.update(skipped)
     decoded: set[str] = set()  # parameters decoded from MXFP4, exact in any float dtype
     missing, bad_shape, state = [], [], {}
-    for name, param in model.named_parameters():
+    for name, param in text_model.named_parameters():
         m = _EXPERTS.match(name)
         if m:
             tensor, hints = _load_experts(reader, m.group(1), m.group(2), tuple(param.shape), used, missing, bad_shape)
             if tensor is not None:
-                state[name] = tensor
+                state[ours + name] = tensor
                 if hints is not None:
-                    decoded.add(name)
-                    experts = model.get_submodule(m.group(1))
+                    decoded.add(ours + name)
+                    experts = text_model.get_submodule(m.group(1))
                     experts.__dict__.setdefault("mxfp4_scale_hints", {})[m.group(2)] = hints
             continue
         key = PREFIX + name
@@ -165,6 +171,18 @@ def load_pretrained(cls, path, dtype: torch.dtype | None = None, device="cpu"):
             tensor = _unpad_a_log(f"{files[key]}: {key}", tensor, param.shape[0])
         if tuple(tensor.shape) != tuple(param.shape):
             bad_shape.append(f"{key} {tuple(tensor.shape)} (expected {tuple(param.shape)})")
+            continue
+        state[ours + name] = tensor
+    for name, param in model.named_parameters():
+        if not name.startswith(VISION_PREFIXES):
+            continue
+        if name not in files:
+            missing.append(name)
+            continue
+        used.add(name)
+        tensor = reader.get(name)
+        if tuple(tensor.shape) != tuple(param.shape):
+            bad_shape.append(f"{name} {tuple(tensor.shape)} (expected {tuple(param.shape)})")
             continue
         state[name] = tensor
     unexpected = set(files) - used
@@ -254,14 +272,19 @@ def _load_experts(reader, base, matrix, shape, used, missing, bad_shape):
 
 
 def _checkpoint_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (official name, tensor) for the text model, in the release's dtypes as they are in `model`."""
+    """Yield (official name, tensor) for the text model, then the vision tensors of a multimodal model, in the
+    dtypes they have in `model`."""
     text = model.config.text_config
     quant = text.quantization_config
+    text_model = getattr(model, "language_model", model)
     for name, param in model.named_parameters():
+        if name.startswith(VISION_PREFIXES):
+            yield name, param.detach()
+    for name, param in text_model.named_parameters():
         t = param.detach()
         m = _EXPERTS.match(name)
         if m:
-            hints = getattr(model.get_submodule(m.group(1)), "mxfp4_scale_hints", {}).get(m.group(2))
+            hints = getattr(text_model.get_submodule(m.group(1)), "mxfp4_scale_hints", {}).get(m.group(2))
             for e in range(t.shape[0]):
                 key = _expert_keys(m.group(1), m.group(2), e)
                 if quant is not None:

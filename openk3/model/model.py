@@ -83,8 +83,9 @@ class K3Model(nn.Module):
         self.output_attn_res_norm = RMSNorm(D, text.rms_norm_eps)
         self.output_attn_res_proj = nn.Linear(D, 1, bias=False)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        partial_TD = self.embed_tokens(batch.input_ids_T)
+    def forward(self, batch: ForwardBatch, embeds_TD: torch.Tensor | None = None) -> torch.Tensor:
+        """`embeds_TD` replaces the token embeddings (the multimodal model merges image rows into them)."""
+        partial_TD = self.embed_tokens(batch.input_ids_T) if embeds_TD is None else embeds_TD
         bank: list[torch.Tensor] = []
         for layer in self.layers:
             out_TD = layer(partial_TD, bank, batch)
@@ -196,11 +197,12 @@ class K3ForCausalLM(nn.Module):
         the largest matmul of a decode step."""
         return self.lm_head(hidden_TD.index_select(0, rows_R))
 
-    def forward_batch(self, batch: ForwardBatch) -> torch.Tensor:
-        """Packed forward: logits [T, V] for the packed tokens of `batch` (updates `batch.cache` in place)."""
+    def forward_batch(self, batch: ForwardBatch, embeds_TD: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed forward: logits [T, V] for the packed tokens of `batch` (updates `batch.cache` in place);
+        `embeds_TD` [T, D], if given, replaces the token embeddings."""
         if batch.cache is not None and batch.cache.num_seqs != batch.num_seqs:
             raise ValueError(f"the cache holds {batch.cache.num_seqs} sequences, the batch has {batch.num_seqs}")
-        logits = self.lm_head(self.model(batch))
+        logits = self.lm_head(self.model(batch, embeds_TD))
         if batch.cache is not None:
             batch.cache.advance(batch.seq_lens)
         return logits
@@ -212,6 +214,7 @@ class K3ForCausalLM(nn.Module):
         cache: K3Cache | None = None,
         labels: torch.Tensor | None = None,
         return_dict: bool = True,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> CausalLMOutput | torch.Tensor:
         """input_ids [B, T] -> a `CausalLMOutput` as in Hugging Face: `.logits` [B, T, V] (padded positions,
         attention_mask 0, get zero logits), `.loss` with `labels` [B, T] (the mean cross-entropy of logits[:, t]
@@ -219,14 +222,19 @@ class K3ForCausalLM(nn.Module):
         None, and `.past_key_values` (the cache passed in). `return_dict=False` returns the bare logits tensor.
 
         `attention_mask` covers only the tokens of this call (the cache holds the rest); padding may sit anywhere,
-        the released convention is left padding. With a cache, row b continues cached sequence b."""
+        the released convention is left padding. With a cache, row b continues cached sequence b.
+        `inputs_embeds` [B, T, D], if given, replaces the embeddings of `input_ids` (as in Hugging Face; the ids
+        still give the shape)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
         if labels is not None and not return_dict:
             raise ValueError("labels give a loss, which only the CausalLMOutput carries: leave return_dict=True")
-        logits = self._logits(input_ids, attention_mask, cache)
+        if inputs_embeds is not None and inputs_embeds.shape[:2] != input_ids.shape:
+            raise ValueError(f"inputs_embeds shape {tuple(inputs_embeds.shape)} does not start with input_ids shape "
+                             f"{tuple(input_ids.shape)}")  # fmt: skip
+        logits = self._logits(input_ids, attention_mask, cache, inputs_embeds)
         if not return_dict:
             return logits
         loss = None
@@ -237,11 +245,12 @@ class K3ForCausalLM(nn.Module):
                                                ignore_index=self.config.ignore_index)  # fmt: skip
         return CausalLMOutput(logits=logits, loss=loss, past_key_values=cache)
 
-    def _logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: K3Cache | None):
+    def _logits(self, input_ids, attention_mask, cache, embeds_BTD=None):
         B, T = input_ids.shape
         if attention_mask is None:
             batch = ForwardBatch.from_lengths(input_ids.reshape(-1), [T] * B, cache)
-            return self.forward_batch(batch).view(B, T, -1)
+            embeds_TD = None if embeds_BTD is None else embeds_BTD.flatten(0, 1)
+            return self.forward_batch(batch, embeds_TD).view(B, T, -1)
         mask = attention_mask.bool()
         if mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask shape {tuple(mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
@@ -249,7 +258,7 @@ class K3ForCausalLM(nn.Module):
         if min(lens) == 0:
             raise ValueError("a row of attention_mask has no tokens")
         batch = ForwardBatch.from_lengths(input_ids[mask], lens, cache)
-        packed = self.forward_batch(batch)
+        packed = self.forward_batch(batch, None if embeds_BTD is None else embeds_BTD[mask])
         logits = packed.new_zeros(B, T, packed.shape[-1])
         logits[mask] = packed
         return logits

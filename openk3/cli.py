@@ -28,11 +28,17 @@ import time
 
 import torch
 
-from openk3.config import PRESETS, K3Config
+from openk3.config import TEXT_PRESETS, K3Config
 from openk3.data.jinja_sandbox import DEFAULT_TIMEOUT_S
 from openk3.data.tokenizer import load_tokenizer
 from openk3.model.model import K3ForCausalLM
-from openk3.serve.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S, DEFAULT_SHUTDOWN_TIMEOUT_S
+from openk3.serve.config import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES_PER_REQUEST,
+    DEFAULT_PREPROCESS_TIMEOUT_S,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+)
 from openk3.train.flags import add_train_arguments, config_from_args
 from openk3.utils import pick_threads, set_threads, to_dtype
 
@@ -116,16 +122,24 @@ def _engine_from_args(args):
     from openk3.data.jinja_sandbox import SandboxedRenderer
     from openk3.serve.config import ServeConfig
     from openk3.serve.engine import LLMEngine
-    from openk3.train.checkpoint import load_model
+    from openk3.data.vision import load_media_proc_cfg
+    from openk3.model.multimodal import K3ForConditionalGeneration
+    from openk3.train.checkpoint import is_training_checkpoint, load_model, resolve_checkpoint
 
-    model, ckpt = load_model(args.ckpt, dtype=to_dtype(args.dtype))
+    folder, media_proc_cfg = resolve_checkpoint(args.ckpt), None
+    if not is_training_checkpoint(folder) and K3Config.from_pretrained(folder).vision_config is not None:
+        # A release checkpoint with a vision tower serves images (server.py); its processor config comes along.
+        model, ckpt = K3ForConditionalGeneration.from_pretrained(folder, dtype=to_dtype(args.dtype)), folder
+        media_proc_cfg = load_media_proc_cfg(folder)
+    else:
+        model, ckpt = load_model(args.ckpt, dtype=to_dtype(args.dtype))
     model.eval()
     tok = load_tokenizer(ckpt, model.text_config)
     options = {"speculative_config": _speculative_config(args), "enable_prefix_caching": not args.no_prefix_caching,
                "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}  # fmt: skip
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
-    engine = LLMEngine(model, tok, ServeConfig.from_options(**options))
+    engine = LLMEngine(model, tok, ServeConfig.from_options(**options), media_proc_cfg)
     renderer = SandboxedRenderer(timeout_s=args.template_timeout)
     return engine, load_chat_template(ckpt, tok, renderer), ckpt
 
@@ -144,7 +158,8 @@ def cmd_serve(args) -> int:
     name = args.model_name or os.path.basename(os.path.normpath(args.ckpt))
     llm = AsyncLLM(engine, max_waiting=args.max_waiting)
     app = build_app(llm, name, template, max_body_bytes=args.max_body_bytes,
-                    preprocess_timeout_s=args.preprocess_timeout)  # fmt: skip
+                    preprocess_timeout_s=args.preprocess_timeout, max_images_per_request=args.max_images_per_request,
+                    max_image_pixels=args.max_image_pixels)  # fmt: skip
     grace = args.shutdown_timeout
 
     class Server(uvicorn.Server):
@@ -612,7 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                formatter_class=_DefaultsHelpFormatter))  # fmt: skip
 
     p = sub.add_parser("init", help="write a random checkpoint (config.json + safetensors) for testing")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--preset", choices=TEXT_PRESETS, default="tiny")
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: float32")
@@ -628,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="layer schedule and parameter counts")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--ckpt")
-    g.add_argument("--preset", choices=sorted(PRESETS))
+    g.add_argument("--preset", choices=TEXT_PRESETS)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("demo", help="init a tiny K3, save, reload, generate")
@@ -656,7 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tokenizer", help="tokenizer tools")
     tsub = p.add_subparsers(dest="tokenizer_command", required=True)
     t = tsub.add_parser("train", help="train a byte-level BPE on a corpus for a preset's vocabulary")
-    t.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    t.add_argument("--preset", choices=TEXT_PRESETS, default="tiny")
     t.add_argument("--data", default="stdlib", help="stdlib (default) or a path")
     t.add_argument("--out", required=True)
     t.set_defaults(func=cmd_tokenizer_train)
@@ -664,7 +679,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="hybrid-cache memory per token and per request, crossover vs all-MLA")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--ckpt")
-    g.add_argument("--preset", choices=sorted(PRESETS))
+    g.add_argument("--preset", choices=TEXT_PRESETS)
     p.add_argument("--context", type=int, nargs="+", default=[1024, 4096, 8192, 32768, 131072],
                    help="context lengths per request, in tokens")  # fmt: skip
     p.add_argument("--batch", type=int, default=1, help="concurrent requests")
@@ -696,6 +711,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="request bodies larger than this get 413")  # fmt: skip
             p.add_argument("--preprocess-timeout", type=float, default=DEFAULT_PREPROCESS_TIMEOUT_S,
                            help="seconds to tokenize and template a prompt before the request fails")  # fmt: skip
+            p.add_argument("--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES_PER_REQUEST,
+                           help="image content parts one chat request may carry (more get 400)")  # fmt: skip
+            p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                           help="width x height of one image, read from its header (larger images get 400)")  # fmt: skip
             p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                            help="on SIGTERM, seconds running requests may finish before they are failed")  # fmt: skip
             p.set_defaults(func=cmd_serve)

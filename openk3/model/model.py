@@ -187,10 +187,11 @@ class K3ForCausalLM(nn.Module):
         return self
 
     # ---- forward ---------------------------------------------------------------------------------------------
-    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:
+    def hidden_states(self, batch: ForwardBatch, embeds_TD: torch.Tensor | None = None) -> torch.Tensor:
         """The final-norm hidden states [T, D] of the packed tokens of `batch`, before the LM head (the serving
-        runner then takes `logits` of the rows it samples; the caller owns the cache's bookkeeping)."""
-        return self.model(batch)
+        runner then takes `logits` of the rows it samples; the caller owns the cache's bookkeeping). `embeds_TD`
+        [T, D], if given, replaces the token embeddings (image rows merged in)."""
+        return self.model(batch, embeds_TD)
 
     def logits(self, hidden_TD: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:
         """LM-head logits [R, V] of the hidden rows `rows_R` only: a step samples a few rows, and the head is

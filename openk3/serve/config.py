@@ -17,6 +17,8 @@ from typing import Any
 # The HTTP server's per-request limits (`k3 serve` flags; docs/serving.md "Limits").
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes: larger bodies get 413 before they are read
 DEFAULT_PREPROCESS_TIMEOUT_S = 30.0  # --preprocess-timeout: tokenizing + templating one prompt
+DEFAULT_MAX_IMAGES_PER_REQUEST = 8  # --max-images-per-request: image content parts in one chat request
+DEFAULT_MAX_IMAGE_PIXELS = 16 * 2**20  # --max-image-pixels: W x H of one image, checked from its header
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # --shutdown-timeout: SIGTERM drain before running requests are failed
 
 

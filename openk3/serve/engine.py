@@ -6,6 +6,19 @@
     outs[0].outputs[0].text, outs[0].outputs[0].token_ids
     llm.chat([{"role": "user", "content": "Hi"}], tools=[...])[0].outputs[0].message  # parsed, as the server does
 
+Images (a `K3ForConditionalGeneration`; `LLM(dir)` loads one when the checkpoint has a vision_config), in vLLM's
+multimodal prompt form:
+
+    llm.generate({"prompt": "Describe <|media_pad|> and <|media_pad|>.", "multi_modal_data": {"image": [im1, im2]}})
+
+Each image stands where its placeholder `<|media_pad|>` (`media_placeholder_token_id`) is: written once per image in
+the prompt text (only there is that name encoded as the special id; the rest of the text is ordinary text), or in
+`prompt_token_ids` once per image (expanded here to its N = `num_image_tokens` rows) or N times in a row (kept).
+A count mismatch is a ValueError naming the counts. `add_request` encodes each image once (`encode_images`) and
+keeps its rows and positions on the Request; the runner merges them into every forward that covers them, and the
+prefix-cache hashes of the units they touch include the image's content hash (kv/prefix.py). Speculative decoding
+stays text-only: drafts extend the sequence past the prompt, where no image rows are.
+
 Each step asks the proposer for drafts (when speculating), schedules, then runs one forward over the scheduled
 prefill chunks and plain decodes, plus one verify forward per draft length. The sampled rows of a forward are drawn
 in one batched call (`ops.sampling.sample_rows`), each row from its request's generator (seeded from
@@ -18,6 +31,7 @@ Legend: N sampled rows, G tokens per verified request (1 + drafts), V vocabulary
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import logging
 import os
@@ -27,16 +41,21 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from openk3.config import K3Config
 from openk3.data.chat import check_text, load_chat_template
 from openk3.data.detokenizer import IncrementalDetokenizer
 from openk3.data.tokenizer import ByteTokenizer, load_tokenizer
+from openk3.data.vision import load_media_proc_cfg, num_image_tokens, preprocess
 from openk3.model.cache import cache_specs
 from openk3.model.model import K3ForCausalLM
+from openk3.model.multimodal import K3ForConditionalGeneration, _placeholder_spans
 from openk3.ops.sampling import GREEDY_BELOW, sample_rows, sampling_probs_rows
 from openk3.serve.config import ServeConfig
 from openk3.serve.kv.manager import KVCacheManager
 from openk3.serve.protocol import chat_request
-from openk3.serve.request import CompletionOutput, Request, RequestOutput, SamplingParams, Status
+from openk3.serve.request import (
+    CompletionOutput, ImageInputs, ImageRows, Request, RequestOutput, SamplingParams, Status,
+)  # fmt: skip
 from openk3.serve.runner import ModelRunner
 from openk3.serve.scheduler import Scheduler
 from openk3.serve.spec_decode import AdaptiveProposer, DraftModelProposer, NgramProposer, accept, fold
@@ -92,8 +111,33 @@ def _verify_probs(reqs: list[Request], logits_NGV: torch.Tensor, finite: list[bo
     return out
 
 
+MEDIA_PAD = "<|media_pad|>"  # the image placeholder's name in a text prompt
+
+
+def _expand_placeholders(ids: list[int], rows_N: list[int], token_id: int) -> tuple[list[int], list[int]]:
+    """Prompt ids with each image's placeholder (one, or N_k in a row) as N_k placeholders, and where each
+    image's rows start. Raises ValueError naming the counts when the placeholders do not fit the images."""
+    is_ph_BT = torch.tensor([ids], dtype=torch.long) == token_id
+    spans = _placeholder_spans(is_ph_BT, rows_N, token_id)
+    out, starts, prev = [], [], 0
+    for k, ((positions, _), N) in enumerate(zip(spans, rows_N)):
+        if positions[-1] - positions[0] + 1 != len(positions):
+            raise ValueError(f"image {k}'s {len(positions)} placeholder tokens (id {token_id}) are not consecutive")
+        out += ids[prev : positions[0]]
+        starts.append(len(out))
+        out += [token_id] * N
+        prev = positions[-1] + 1
+    return out + ids[prev:], starts
+
+
 class LLMEngine:
-    def __init__(self, model: K3ForCausalLM, tokenizer=None, config: ServeConfig | None = None):
+    def __init__(self, model: K3ForCausalLM | K3ForConditionalGeneration, tokenizer=None,
+                 config: ServeConfig | None = None, media_proc_cfg: dict | None = None):  # fmt: skip
+        # The engine serves the text model; a vision model's tower only encodes images at add_request.
+        self.vision_model = model.eval() if isinstance(model, K3ForConditionalGeneration) else None
+        self.media_proc_cfg = media_proc_cfg  # None: the release's processor settings
+        if self.vision_model is not None:
+            model = self.vision_model.language_model
         self.model = model.eval()
         text = model.text_config
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer(text.vocab_size)
@@ -154,9 +198,13 @@ class LLMEngine:
     def add_request(
         self, prompt: str | dict | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
-        """Queue a prompt (text, `{"prompt_token_ids": [...]}` or a list of ids); returns its request id."""
+        """Queue a prompt (text, `{"prompt_token_ids": [...]}`, a list of ids, or either dict form with
+        `"multi_modal_data": {"image": PIL image | list | ImageInputs}`); returns its request id."""
         params = params or SamplingParams()
-        if isinstance(prompt, str):
+        images: list[ImageRows] = []
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            text, ids, images = self._multimodal_prompt(prompt)
+        elif isinstance(prompt, str):
             text, ids = prompt, self.encode_prompt(prompt)
         elif isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
@@ -181,12 +229,64 @@ class LLMEngine:
             seed = None if params.seed is None else params.seed + i
             gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
             req = Request(request_id, ids, params, index=i, arrival=self.step_count, generator=gen,
-                          detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))  # fmt: skip
+                          detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop), images=images)  # fmt: skip
             reqs.append(req)
             self.scheduler.add(req)
         self.requests[request_id] = reqs
         self._prompts[request_id] = text
         return request_id
+
+    def process_images(self, images, max_pixels: int | None = None) -> ImageInputs:
+        """The processor's tensors of a PIL image or a list of them (CPU work: the server runs it off its event
+        loop). Raises ValueError for a non-image or one over `max_pixels`."""
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        options = {} if max_pixels is None else {"max_pixels": max_pixels}
+        pixel_values, grid_thws = preprocess(images, self.media_proc_cfg, **options)
+        return ImageInputs(pixel_values, grid_thws, [im.size for im in images])
+
+    def _multimodal_prompt(self, prompt: dict) -> tuple[str | None, list[int], list[ImageRows]]:
+        """(text, expanded ids, image rows) of a prompt with `multi_modal_data`; the images are encoded here, once."""
+        if self.vision_model is None:
+            raise ValueError("images need a vision checkpoint (one with a vision_config); this model is text-only")
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError("multi_modal_data: only {'image': PIL image or list of them} is supported")
+        inputs = data.get("image")
+        if not isinstance(inputs, ImageInputs):
+            inputs = self.process_images(inputs)
+        token_id = self.vision_model.config.media_placeholder_token_id
+        text = prompt.get("prompt")
+        if "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+        elif isinstance(text, str):
+            ids = self.encode_prompt_with_images(text, token_id)
+        else:
+            raise ValueError("a multimodal prompt needs 'prompt' (text) or 'prompt_token_ids'")
+        grids = inputs.grid_thws.tolist()
+        rows_N = [num_image_tokens(g) for g in grids]
+        ids, starts = _expand_placeholders(ids, rows_N, token_id)
+        tower = self.vision_model.vision_tower
+        device = next(tower.parameters()).device
+        with torch.inference_mode():
+            features = self.vision_model.encode_images(inputs.pixel_values.to(device), inputs.grid_thws.to(device))
+        images, offset = [], 0
+        for g, start, rows_ND in zip(grids, starts, features):
+            n_patches = g[0] * g[1] * g[2]
+            pixels = inputs.pixel_values[offset : offset + n_patches].contiguous().numpy().tobytes()
+            offset += n_patches
+            key = hashlib.sha256(pixels + torch.tensor(g, dtype=torch.int64).numpy().tobytes()).digest()
+            images.append(ImageRows(start, rows_ND, key))
+        return text, ids, images
+
+    def encode_prompt_with_images(self, text: str, token_id: int) -> list[int]:
+        """A text prompt's ids where each `<|media_pad|>` written in it is the placeholder id (one per image);
+        everything else is ordinary text."""
+        pieces = text.split(MEDIA_PAD)
+        ids = self.encode_prompt(pieces[0])
+        for piece in pieces[1:]:
+            check_text(piece, "prompt")
+            ids += [token_id] + (self.tokenizer.encode(piece) if piece else [])
+        return ids
 
     def encode_prompt(self, text: str) -> list[int]:
         """A text prompt's token ids (with BOS, except for the byte-level fallback). Text that is not valid
@@ -382,14 +482,19 @@ class LLMEngine:
 class LLM:
     """Offline generation: `LLM(checkpoint_dir_or_model, **engine_options).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str | os.PathLike | K3ForCausalLM, tokenizer=None, dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu", **options):  # fmt: skip
+    def __init__(self, model: str | os.PathLike | K3ForCausalLM | K3ForConditionalGeneration, tokenizer=None,
+                 dtype: torch.dtype | None = None, device: str | torch.device = "cpu", **options):  # fmt: skip
         self.checkpoint = None
+        media_proc_cfg = None
         if isinstance(model, (str, os.PathLike)):
             self.checkpoint = model
-            model = K3ForCausalLM.from_pretrained(model, dtype=dtype, device=device)
+            if K3Config.from_pretrained(model).vision_config is not None:
+                model = K3ForConditionalGeneration.from_pretrained(model, dtype=dtype, device=device)
+                media_proc_cfg = load_media_proc_cfg(self.checkpoint)
+            else:
+                model = K3ForCausalLM.from_pretrained(model, dtype=dtype, device=device)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.checkpoint, model.text_config)
-        self.engine = LLMEngine(model, tokenizer, ServeConfig.from_options(**options))
+        self.engine = LLMEngine(model, tokenizer, ServeConfig.from_options(**options), media_proc_cfg)
         self._chat_template = None
 
     @property
@@ -421,6 +526,9 @@ class LLM:
                    "chat_template_kwargs": chat_template_kwargs}  # fmt: skip
         options = {k: v for k, v in options.items() if v is not None}
         requests = [chat_request({"messages": conv, **options}) for conv in conversations]
+        if any(r.image_parts() for r in requests):
+            raise NotImplementedError("LLM.chat does not take image parts yet: use generate() with "
+                                      "multi_modal_data, or the server's chat endpoint")  # fmt: skip
         template = self.chat_template
         params = sampling_params or SamplingParams()
         params = dataclasses.replace(params, stop=list(params.stop) + template.stop)

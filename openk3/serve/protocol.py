@@ -20,6 +20,9 @@ Chat fields for K3's XTML format, and how each maps (`ChatCompletionRequest.rend
   renders it; decoding is not constrained.
 - reasoning_effort / chat_template_kwargs.thinking_effort: K3's `thinking_effort`, low/high/max (default max);
   chat_template_kwargs.thinking: false turns thinking off. Other chat_template_kwargs keys are a 400.
+- images (a vision checkpoint, XTML format only): user content parts `{"type": "image_url", "image_url": {"url":
+  "data:image/png;base64,..."}}` (`image_url` may be the URL string) or `{"type": "image", "image": URL}`; only data
+  URLs (`ImagePart`); each becomes its image prompt in the rendered text (`encode(..., image_prompts=...)`).
 `ChatCompletionRequest.answer` makes the parser of one sample's answer (serve/chat_answer.py).
 """
 
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -224,6 +228,29 @@ class ChatTemplateKwargs(_Strict):
         return data
 
 
+IMAGE_PART_TYPES = ("image_url", "image")
+
+
+@dataclass
+class ImagePart:
+    """An image content part: its URL and the field that holds it (`messages.0.content.1.image_url`), which every
+    error about the image names."""
+
+    url: str
+    path: str
+
+
+def _image_url(part: dict, path: str) -> ImagePart:
+    value = part.get(part["type"])
+    if value is None and part["type"] == "image":
+        value = part.get("image_url")
+    if isinstance(value, dict):
+        value = value.get("url")
+    if not isinstance(value, str):
+        raise FieldError(path, f"{path}: an image part needs a URL (e.g. {{\"url\": \"data:image/png;base64,...\"}})")
+    return ImagePart(value, f"{path}.{part['type']}")
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[dict] | None = ""
@@ -240,19 +267,32 @@ class ChatMessage(_Strict):
         return self
 
     def text(self) -> str:
-        """The text of a message; content parts of type "text" are joined (images are not served yet)."""
+        """The text of a message; content parts of type "text" are joined (image parts: see `image_parts`)."""
         if isinstance(self.content, list):
             parts = []
             for part in self.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("messages: only text content parts are supported")
+                    raise ValueError("messages: only text and image content parts are supported")
                 parts.append(part["text"])
             return "".join(parts)
         return self.content or ""
 
+    @staticmethod
+    def _xtml_part(part: dict) -> dict:
+        if part.get("type") in IMAGE_PART_TYPES:
+            return {"type": part["type"]}  # the renderer puts the image's prompt here
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError("messages: only text and image content parts are supported")
+        return {"type": "text", "text": part["text"]}
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(p.get("type") in IMAGE_PART_TYPES for p in self.content)
+
     def xtml(self) -> dict:
-        """The message as the XTML renderer takes it (OpenAI's dict; `developer` is a system message)."""
-        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        """The message as the XTML renderer takes it (OpenAI's dict; `developer` is a system message). Image parts
+        stay parts, in order, for the renderer to put each image's prompt there."""
+        content = self.text() if not self.has_images() else [self._xtml_part(p) for p in self.content]
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
@@ -302,6 +342,21 @@ class ChatCompletionRequest(_Request):
                                                    f"thinking_effort {kwargs_effort!r}")  # fmt: skip
         return self
 
+    def image_parts(self) -> list[ImagePart]:
+        """Every image content part, in order; FieldError for one in a non-user message or without a URL."""
+        images = []
+        for i, m in enumerate(self.messages):
+            if not m.has_images():
+                continue
+            for j, part in enumerate(m.content):
+                if part.get("type") not in IMAGE_PART_TYPES:
+                    continue
+                path = f"messages.{i}.content.{j}"
+                if m.role != "user":
+                    raise FieldError(path, f"{path}: images are accepted in user messages only, not {m.role} ones")
+                images.append(_image_url(part, path))
+        return images
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -322,6 +377,10 @@ class ChatCompletionRequest(_Request):
         if self.tools:
             return "tools", "tools", "tool calls"
         for i, m in enumerate(self.messages):
+            if m.has_images():
+                j = next(j for j, p in enumerate(m.content) if p.get("type") in IMAGE_PART_TYPES)
+                return f"messages.{i}.content.{j}", f"messages.{i}.content.{j}", "image inputs"
+        for i, m in enumerate(self.messages):
             if m.role == "tool" or m.tool_calls:
                 return "messages", f"messages.{i}" + (".tool_calls" if m.tool_calls else ".role"), "tool calls"
         if self.response_format is not None and self.response_format.type != "text":
@@ -332,12 +391,16 @@ class ChatCompletionRequest(_Request):
             return "chat_template_kwargs", "chat_template_kwargs", "thinking options"
         return None
 
-    def encode(self, template) -> list[int]:
-        """The prompt ids. K3's XTML format takes the messages as OpenAI dicts with the request's tools and options;
-        a plain or Jinja format takes roles and text only (after `check_format`)."""
+    def encode(self, template, image_prompts: list[str] | None = None) -> list[int]:
+        """The prompt ids. K3's XTML format takes the messages as OpenAI dicts with the request's tools and options
+        (and `image_prompts`, one per image part, in order); a plain or Jinja format takes roles and text only
+        (after `check_format`)."""
         if template.supports_tools:
             messages = [m.xtml() for m in self.messages]
-            return template.encode(messages, add_generation_prompt=True, **self.render_options())
+            options = self.render_options()
+            if image_prompts is not None:
+                options["image_prompts"] = image_prompts
+            return template.encode(messages, add_generation_prompt=True, **options)
         self.check_format(template)
         messages = [Message("system" if m.role == "developer" else m.role, m.text()) for m in self.messages]
         return template.encode(messages, add_generation_prompt=True)

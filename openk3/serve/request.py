@@ -46,6 +46,35 @@ class SamplingParams:
                 raise ValueError(f"invalid SamplingParams.{name}: {getattr(self, name)!r}")
 
 
+@dataclass
+class ImageInputs:
+    """A prompt's images after the processor (`data/vision.py::preprocess`): `pixel_values` [L, 3, p, p] of all
+    images, `grid_thws` [n, 3], and each image's original (W, H). Made off the engine thread (the server's
+    preprocessing threads) and encoded by the engine at `add_request`."""
+
+    pixel_values: torch.Tensor
+    grid_thws: torch.Tensor
+    sizes: list[tuple[int, int]]
+
+    def __len__(self) -> int:
+        return self.grid_thws.shape[0]
+
+
+@dataclass
+class ImageRows:
+    """One image of a request: its projector rows [N, D] replace the (expanded) placeholder positions
+    [start, start + N) of the prompt; `key` is its content hash (pixels and grid), mixed into the prefix-cache hash
+    of every unit those positions touch."""
+
+    start: int
+    rows_ND: torch.Tensor
+    key: bytes
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows_ND.shape[0]
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -76,6 +105,12 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     unit_hashes: list[bytes] = field(default_factory=list)
     planned_checkpoints: list[int] = field(default_factory=list)  # token positions, ascending
+    images: list[ImageRows] = field(default_factory=list)  # image rows of the prompt, in position order
+
+    @property
+    def image_spans(self) -> list[tuple[int, int, bytes]]:
+        """(start, end, content hash) of each image's rows, for the prefix-cache hashes."""
+        return [(im.start, im.end, im.key) for im in self.images]
 
     @property
     def tokens(self) -> list[int]:

@@ -23,6 +23,14 @@ reasoning_content) with `tools`, `tool_choice`, `response_format`, `reasoning_ef
 User stop strings end a sample where they appear (markers skipped) and cut `reasoning_content` and `content` at
 their first occurrence. A plain or Jinja format refuses what needs XTML with a 400 naming the field.
 
+Images (a vision checkpoint, K3's XTML format): user content parts `image_url` / `image` holding a data URL
+(`data:image/png;base64,...`). The server fetches nothing: any other URL is a 400 saying that only data URLs are
+accepted. Broken base64, data that is not an image, an image over `max_image_pixels` (read from its header, before
+any decoding) and more than `max_images_per_request` images are 400s naming the part
+(`messages.0.content.1.image_url`); a text-only model or a plain/Jinja chat format refuses images with a 400.
+Decoding and the processor run in the preprocessing threads; the engine encodes each image once when it queues
+the request.
+
 Work per request is bounded: the body size; tokenization and template rendering run off the event loop (at most
 `PREPROCESS_THREADS` at once) under `preprocess_timeout_s`, templates in a worker process that is killed past its
 limit. A client that disconnects, streaming or not, aborts its request, which frees its slot and pages.
@@ -31,6 +39,8 @@ limit. A client that disconnects, streaming or not, aborts its request, which fr
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import json
 import logging
@@ -44,13 +54,20 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.data.jinja_sandbox import TemplateFailed, TemplateRejected
+from openk3.data.vision import image_prompt, open_image
 from openk3.serve.async_engine import AsyncLLM, EngineDead, QueueFull
-from openk3.serve.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_PREPROCESS_TIMEOUT_S
+from openk3.serve.config import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES_PER_REQUEST,
+    DEFAULT_PREPROCESS_TIMEOUT_S,
+)  # fmt: skip
 from openk3.serve.chat_answer import ChatAnswer
 from openk3.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     FieldError,
+    ImagePart,
     chat_logprobs,
     completion_logprobs,
     error_body,
@@ -133,8 +150,29 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
     return SafeJSONResponse(error_body(message, kind, param, status), status_code=status, headers=headers)
 
 
+def _data_url_image(part: ImagePart, max_pixels: int):
+    """The PIL image of a `data:...;base64,...` URL; APIError 400 naming the part for anything else."""
+    header, sep, data = part.url.partition(",")
+    if not sep or not header.lower().endswith(";base64"):
+        raise APIError(400, f"{part.path}: a data URL must carry base64 data (data:image/png;base64,...)",
+                       param=part.path)  # fmt: skip
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise APIError(400, f"{part.path}: the data URL is not valid base64 ({err})", param=part.path) from err
+    try:
+        return open_image(raw, max_pixels)
+    except ValueError as err:
+        raise APIError(400, f"{part.path}: {err}", param=part.path) from err
+    except Exception as err:  # noqa: BLE001 - whatever a decoder raises on hostile bytes is the client's 400
+        raise APIError(400, f"{part.path}: cannot decode the image ({type(err).__name__}: {err})",
+                       param=part.path) from err  # fmt: skip
+
+
 def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              preprocess_timeout_s: float = DEFAULT_PREPROCESS_TIMEOUT_S) -> FastAPI:  # fmt: skip
+              preprocess_timeout_s: float = DEFAULT_PREPROCESS_TIMEOUT_S,
+              max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST,
+              max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> FastAPI:  # fmt: skip
     preprocess = ThreadPoolExecutor(PREPROCESS_THREADS, thread_name_prefix="openk3-preprocess")
 
     @contextlib.asynccontextmanager
@@ -293,9 +331,32 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
                      "text_completion")  # fmt: skip
         return StreamingResponse(events, media_type="text/event-stream")
 
-    def prepare_chat(encode):
+    def check_images(images: list[ImagePart]) -> None:
+        """What can be refused before any decoding: a text-only model, too many images, a URL that is not data."""
+        if not images:
+            return
+        if engine.vision_model is None:
+            raise APIError(400, f"{images[0].path}: this model is text-only; image inputs need a vision checkpoint",
+                           param=images[0].path)  # fmt: skip
+        if len(images) > max_images_per_request:
+            raise APIError(400, f"messages: {len(images)} images exceed the limit of {max_images_per_request} per "
+                                f"request", param="messages")  # fmt: skip
+        for part in images:
+            if not part.url.startswith("data:"):
+                raise APIError(400, f"{part.path}: only data URLs (data:image/png;base64,...) are accepted; the server "
+                                    f"fetches nothing", param=part.path)  # fmt: skip
+
+    def prepare_chat(encode, images: list[ImagePart] = ()):
         try:
-            return {"prompt_token_ids": encode()}
+            if images:
+                pil = [_data_url_image(part, max_image_pixels) for part in images]
+                try:
+                    inputs = engine.process_images(pil, max_image_pixels)
+                except ValueError as err:
+                    raise APIError(400, f"messages: {err}", param="messages") from err
+                ids = encode([image_prompt(im) for im in pil])
+                return {"prompt_token_ids": ids, "multi_modal_data": {"image": inputs}}
+            return {"prompt_token_ids": encode(None)}
         except TemplateRejected as err:
             raise APIError(400, str(err), param="messages") from err
         except TemplateFailed as err:
@@ -308,8 +369,10 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
         check_model(req.model)
         try:
             req.check_format(template)
+            images = req.image_parts()
         except FieldError as err:
             raise APIError(400, str(err), param=err.param) from err
+        check_images(images)
         try:
             top = req.top_logprobs or 0
             params = req.sampling(req.requested_max_tokens or max_model_len, top if req.logprobs else None,
@@ -317,7 +380,7 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         rid = new_id("chatcmpl")
-        outputs = await start(lambda: prepare_chat(lambda: req.encode(template)), params, rid)
+        outputs = await start(lambda: prepare_chat(lambda prompts: req.encode(template, prompts), images), params, rid)
         xtml = template.supports_tools
         answers: dict[int, ChatAnswer] = {}
 

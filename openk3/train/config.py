@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from openk3.config import PRESETS
+from openk3.config import TEXT_PRESETS
 
 BALANCE_METHODS = ("quantile", "sign", "none")
 SCHEDULES = ("wsd", "cosine")
@@ -32,7 +32,7 @@ def flag(default, help: str, **meta):
 
 @dataclass
 class TrainConfig:
-    preset: str = flag("tiny", "model preset", choices=tuple(PRESETS))
+    preset: str = flag("tiny", "model preset", choices=TEXT_PRESETS)
     data: str = flag("stdlib", "stdlib (default), mqar, needle, copy, recall, or a path: text file, folder, JSONL "
                      "with 'text'")  # fmt: skip
     tokenizer: str = flag("bpe", "bpe (trained on the corpus, saved with the checkpoint) or byte", choices=TOKENIZERS)

@@ -106,7 +106,8 @@ class KVCacheManager:
         tokens = req.tokens
         hit_units = 0
         if self.config.enable_prefix_caching:
-            req.unit_hashes = chain_hashes(tokens, self.U, req.unit_hashes[: len(tokens) // self.U])
+            known = req.unit_hashes[: len(tokens) // self.U]
+            req.unit_hashes = chain_hashes(tokens, self.U, known, images=req.image_spans)
             cap = (len(tokens) - 1) // self.U  # always recompute at least one token
             n_units, hit_units = self.index.match(req.unit_hashes, cap)
             self.stats.queries += 1
@@ -179,7 +180,8 @@ class KVCacheManager:
         tokens = req.tokens
         done_units = req.num_computed // self.U
         if len(req.unit_hashes) < done_units:
-            req.unit_hashes = chain_hashes(tokens[: done_units * self.U], self.U, req.unit_hashes)
+            req.unit_hashes = chain_hashes(tokens[: done_units * self.U], self.U, req.unit_hashes,
+                                           images=req.image_spans)  # fmt: skip
         per_block = self.B // self.U
         for u in range(done_units):
             self.index.register(req.unit_hashes[u], req.block_ids[u // per_block], u % per_block)

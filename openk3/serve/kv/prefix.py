@@ -1,7 +1,11 @@
 """Prefix caching for a hybrid model (spec/serving.md §2): chained unit hashes, where each unit's latents live, and
 the sparse table of KDA state checkpoints.
 
-    h_i = SHA-256(h_{i-1} || extra key || token ids of unit i)          over full units of U tokens only
+    h_i = SHA-256(h_{i-1} || extra key || image keys of unit i || token ids of unit i)   over full units only
+
+The image keys of a unit are the content hashes of every image whose rows fall (partly) in it, in order: two
+different images behind the same placeholder ids never share an entry. A text-only unit has none, so its hash is
+exactly the text hash.
 
 An MLA latent can be reused for any prefix of a cached chain, but the KDA state exists only where a checkpoint was
 taken, so a hit is bounded by the deepest checkpoint (`match`). A checkpoint records the pages that hold its chain's
@@ -14,18 +18,23 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 
-def chain_hashes(tokens: list[int], unit: int, known: list[bytes], extra_key: bytes = b"") -> list[bytes]:
-    """The chained hashes of every full unit of `tokens`, extending `known` (the hashes already computed)."""
+def chain_hashes(tokens: list[int], unit: int, known: list[bytes], extra_key: bytes = b"",
+                 images: Sequence[tuple[int, int, bytes]] = ()) -> list[bytes]:  # fmt: skip
+    """The chained hashes of every full unit of `tokens`, extending `known` (the hashes already computed).
+    `images`: (start, end, content hash) of each image's token positions."""
     hashes = list(known)
     for u in range(len(hashes), len(tokens) // unit):
         prev = hashes[-1] if hashes else b""
-        ids = torch.tensor(tokens[u * unit : (u + 1) * unit], dtype=torch.int64).numpy().tobytes()
-        hashes.append(hashlib.sha256(prev + extra_key + ids).digest())
+        lo, hi = u * unit, (u + 1) * unit
+        image_keys = b"".join(key for start, end, key in images if start < hi and end > lo)
+        ids = torch.tensor(tokens[lo:hi], dtype=torch.int64).numpy().tobytes()
+        hashes.append(hashlib.sha256(prev + extra_key + image_keys + ids).digest())
     return hashes
 
 

@@ -48,16 +48,21 @@ def make_engine(model, **options) -> LLMEngine:
     return LLMEngine(model, None, ServeConfig.from_options(**options))
 
 
-def run_to_end(engine: LLMEngine, check: bool = True) -> dict[str, list[int]]:
-    """Step until idle (checking the pool invariants after every step); token ids of every finished sample."""
-    done: dict[str, list[int]] = {}
+def run_outputs(engine: LLMEngine, check: bool = True) -> dict:
+    """Step until idle (checking the pool invariants after every step); the final RequestOutput of every request."""
+    done = {}
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+                done[out.request_id] = out
         if check:
             engine.manager.check()
     return done
+
+
+def run_to_end(engine: LLMEngine, check: bool = True) -> dict[str, list[int]]:
+    """`run_outputs`, as the token ids of each request's first sample."""
+    return {rid: out.outputs[0].token_ids for rid, out in run_outputs(engine, check).items()}
 
 
 class LogitTap:

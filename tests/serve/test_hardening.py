@@ -19,7 +19,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serve_helpers import bpe_tokenizer, make_engine, random_prompt, run_to_end, serve_on_loopback, tiny_model
+from serve_helpers import (
+    bpe_tokenizer, make_engine, random_prompt, run_outputs, run_to_end, serve_on_loopback, tiny_model,
+)  # fmt: skip
 
 from openk3.data.chat import JinjaChatTemplate, Message, PlainChatTemplate, load_chat_template
 from openk3.data.jinja_sandbox import SandboxedRenderer, TemplateError
@@ -122,12 +124,7 @@ def test_non_finite_logits_fail_only_that_request_and_free_it():
     for temperature in (0.0, 0.8):
         engine.add_request({"prompt_token_ids": random_prompt(10, seed=1)},
                            SamplingParams(max_tokens=4, temperature=temperature, n=2), request_id=f"t{temperature}")  # fmt: skip
-    finals = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        engine.manager.check()
+    finals = run_outputs(engine)
     assert len(finals) == 2
     for out in finals.values():
         assert all(o.finish_reason == "error" and "non-finite" in o.error for o in out.outputs)
@@ -149,10 +146,7 @@ def test_non_finite_verify_logits_fail_the_speculating_requests_and_free_them():
     engine.runner.run = nan_verify
     params = SamplingParams(max_tokens=12, n=2, temperature=0.5, seed=0)
     engine.add_request({"prompt_token_ids": random_prompt(20, seed=2)}, params, request_id="spec")
-    finals = {}
-    while engine.has_unfinished():
-        finals.update({o.request_id: o for o in engine.step() if o.finished})
-        engine.manager.check()
+    finals = run_outputs(engine)
     assert engine.spec_stats.steps > 0
     assert [o.finish_reason for o in finals["spec"].outputs] == ["error", "error"]
     engine.runner.run = run

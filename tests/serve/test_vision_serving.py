@@ -10,13 +10,24 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import struct
 import zlib
 
 import openai
 import pytest
 import torch
+from fixture_paths import FIXTURES, PLAIN
 from PIL import Image
+from serve_helpers import (
+    MARGIN,
+    LogitTap,
+    bpe_tokenizer,
+    make_engine,
+    run_outputs,
+    run_to_end,
+    serve_on_loopback,
+)  # fmt: skip
 
 from openk3 import K3ForCausalLM, K3ForConditionalGeneration
 from openk3.data.chat import PlainChatTemplate, XTMLChatTemplate
@@ -27,10 +38,9 @@ from openk3.serve.engine import LLM, LLMEngine
 from openk3.serve.request import SamplingParams
 from openk3.serve.scheduler import StepPlan
 from openk3.serve.server import build_app
-from tests.serve.serve_helpers import MARGIN, LogitTap, bpe_tokenizer, make_engine, run_to_end, serve_on_loopback
 
-CKPT = "tests/fixtures/k3-official-tiny"
-IMAGES = "tests/fixtures/k3-official-tiny-vision"
+CKPT = PLAIN
+IMAGES = os.path.join(FIXTURES, "k3-official-tiny-vision")
 PH = 277  # media_placeholder_token_id of the tiny configs
 UNITS = {"hash_unit": 4, "block_size": 16, "max_model_len": 128}
 
@@ -66,13 +76,8 @@ def _reference(model, prompt: list[int], images: list[Image.Image], n: int) -> t
 
 def _generate(engine, prompt, n: int = 6) -> tuple[list[int], object]:
     rid = engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
-    finals = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        engine.manager.check()
-    return finals[rid].outputs[0].token_ids, finals[rid]
+    final = run_outputs(engine)[rid]
+    return final.outputs[0].token_ids, final
 
 
 @pytest.mark.parametrize("case", ["one", "two", "chunked", "expanded"])

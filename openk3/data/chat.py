@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from collections.abc import Iterable
 
 from openk3.data.jinja_sandbox import SandboxedRenderer, TemplateError, compile_check
-from openk3.data.xtml import MARKERS, Segment, encode_xtml, render_xtml
+from openk3.data.xtml import Segment, encode_xtml, missing_markers, render_xtml, require_markers
 from openk3.utils import file_inside, read_json
 
 ROLES = ("system", "user", "assistant")
@@ -140,9 +140,7 @@ class XTMLChatTemplate:
              "<|close|>message<|sep|><|end_of_msg|>"  # fmt: skip
 
     def __init__(self, tokenizer):
-        missing = [m for m in MARKERS if m not in getattr(tokenizer, "special_ids", {})]
-        if missing:
-            raise ValueError(f"the tokenizer has no special tokens {missing}: it cannot use K3's XTML chat format")
+        require_markers(tokenizer)
         self.tokenizer = tokenizer
 
     def render(self, messages, add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
@@ -227,6 +225,5 @@ def load_chat_template(path: str | os.PathLike | None, tokenizer, renderer: Sand
             if chat_format is not None and chat_format not in CHAT_FORMATS:
                 raise ValueError(f"{config_file}: chat_format must be one of {list(CHAT_FORMATS)}, got {chat_format!r}")
     if chat_format is None:
-        has_markers = all(m in getattr(tokenizer, "special_ids", {}) for m in MARKERS)
-        chat_format = "xtml" if has_markers else "plain"
+        chat_format = "plain" if missing_markers(tokenizer) else "xtml"
     return XTMLChatTemplate(tokenizer) if chat_format == "xtml" else PlainChatTemplate(tokenizer)

@@ -145,7 +145,9 @@ class BPETokenizer:
         "xtml" when the XTML markers are named, else "plain") into `path`."""
         os.makedirs(path, exist_ok=True)
         self._tok.save(os.path.join(path, "tokenizer.json"))
-        xtml = all(m in self.special_ids for m in ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"))
+        from openk3.data.xtml import missing_markers  # xtml.py is the one place that knows the markers
+
+        xtml = not missing_markers(self)
         meta = {
             "tokenizer_class": "BPETokenizer", "num_base_tokens": self.num_base_tokens, "vocab_size": self.vocab_size,
             **self._tokens, "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,

@@ -349,12 +349,23 @@ def render_xtml(
     return out.segments
 
 
+def missing_markers(tokenizer) -> list[str]:
+    """The XTML markers the tokenizer has no special token for ([] when it can speak the format)."""
+    special = getattr(tokenizer, "special_ids", {})
+    return [m for m in MARKERS if m not in special]
+
+
+def require_markers(tokenizer) -> None:
+    """ValueError naming the missing markers unless the tokenizer can speak XTML."""
+    missing = missing_markers(tokenizer)
+    if missing:
+        raise ValueError(f"the tokenizer has no special tokens {missing}: it cannot use K3's XTML chat format")
+
+
 def encode_xtml(segments: Iterable[Segment], tokenizer) -> list[int]:
     """Token ids of rendered segments, each encoded on its own: control segments with the tokenizer's special names
     recognised (`encode_special`), text with special tokens disallowed (`encode`)."""
-    missing = [m for m in MARKERS if m not in getattr(tokenizer, "special_ids", {})]
-    if missing:
-        raise ValueError(f"this tokenizer has no special tokens {missing}: it cannot encode K3's XTML chat format")
+    require_markers(tokenizer)
     ids: list[int] = []
     for segment in segments:
         ids += tokenizer.encode_special(segment.text) if segment.allow_special else tokenizer.encode(segment.text)

@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from openk3.data.detokenizer import IncrementalDetokenizer
-from openk3.data.xtml import CLOSE, END_OF_MSG, MARKERS, OPEN, SEP
+from openk3.data.xtml import CLOSE, END_OF_MSG, MARKERS, OPEN, SEP, require_markers
 
 # The elements each element may hold; text channels and values hold none.
 _CHILDREN = {"message": ("think", "response", "tools"), "tools": ("call",), "call": ("argument", "json")}
@@ -67,12 +67,17 @@ class ParsedMessage:
     complete: bool  # the message was closed (`<|close|>message<|sep|>` or `<|end_of_msg|>` seen)
 
     def message(self) -> dict:
-        """The OpenAI assistant message: content None only when empty beside tool calls; no empty tool_calls."""
-        out = {"role": "assistant", "content": self.content or (None if self.tool_calls else ""),
-               "reasoning_content": self.reasoning_content or None}  # fmt: skip
-        if self.tool_calls:
-            out["tool_calls"] = self.tool_calls
-        return out
+        return assistant_message(self.content, self.reasoning_content, self.tool_calls)
+
+
+def assistant_message(content: str, reasoning_content: str, tool_calls: list[dict]) -> dict:
+    """The OpenAI assistant message: content None only when empty beside tool calls, reasoning_content None when
+    empty, no empty tool_calls."""
+    out = {"role": "assistant", "content": content or (None if tool_calls else ""),
+           "reasoning_content": reasoning_content or None}  # fmt: skip
+    if tool_calls:
+        out["tool_calls"] = tool_calls
+    return out
 
 
 def _typed(kind: str, text: str) -> str | None:
@@ -148,12 +153,9 @@ class XTMLParser:
     ):  # fmt: skip
         if start not in ("think", "response", "message"):
             raise ValueError(f"start must be 'think', 'response' or 'message', got {start!r}")
-        special = getattr(tokenizer, "special_ids", {})
-        missing = [m for m in MARKERS if m not in special]
-        if missing:
-            raise ValueError(f"this tokenizer has no special tokens {missing}: it cannot write K3's XTML format")
+        require_markers(tokenizer)
         self.tokenizer = tokenizer
-        self.markers = {special[m]: m for m in MARKERS}
+        self.markers = {tokenizer.special_ids[m]: m for m in MARKERS}
         self.tools = None if tools is None else set(tools)
         self.tool_call_id = tool_call_id or _random_call_id
         self.stack = ["message"] if start == "message" else ["message", start]  # the open elements

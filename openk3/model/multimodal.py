@@ -24,7 +24,7 @@ from openk3.model.model import CausalLMOutput, K3ForCausalLM, keeps_fp32
 from openk3.model.vision import MoonViT3d, PatchMergerMLPV2, VisionConfig, init_vision_weights
 
 
-def _placeholder_spans(is_ph_BT: torch.Tensor, rows_N: list[int], token_id: int) -> list[tuple[list[int], bool]]:
+def placeholder_spans(is_ph_BT: torch.Tensor, rows_N: list[int], token_id: int) -> list[tuple[list[int], bool]]:
     """For image k: (flat positions of its placeholders, expand?) where expand means one placeholder stands for
     all N_k rows. Raises ValueError naming the image and the counts when the placeholders do not fit."""
     flat = is_ph_BT.flatten().nonzero().flatten().tolist()
@@ -109,7 +109,7 @@ class K3ForConditionalGeneration(nn.Module):
         B, T = input_ids.shape
         token_id, pad = self.config.media_placeholder_token_id, self.text_config.pad_token_id
         mask_BT = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        spans = _placeholder_spans((input_ids == token_id) & mask_BT, [f.shape[0] for f in features], token_id)
+        spans = placeholder_spans((input_ids == token_id) & mask_BT, [f.shape[0] for f in features], token_id)
         embeds_BTD = self.language_model.model.embed_tokens(input_ids)
         feats_ND = torch.cat(features).to(embeds_BTD.dtype)
         # Row sources index one table: the B*T text rows, then the image rows.

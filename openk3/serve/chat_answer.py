@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+from openk3.data.xtml_parse import assistant_message
+
 log = logging.getLogger("openk3.serve")
 
 class ChatAnswer:
@@ -66,11 +68,7 @@ class ChatAnswer:
         `reasoning_content` None when there was none, no empty `tool_calls`."""
         calls = self.result.tool_calls if self.parallel else self.result.tool_calls[:1]
         content, reasoning = (self.text[k][: self.sent[k]] for k in ("content", "reasoning_content"))
-        out = {"role": "assistant", "content": content or (None if calls else ""),
-               "reasoning_content": reasoning or None}  # fmt: skip
-        if calls:
-            out["tool_calls"] = calls
-        return out
+        return assistant_message(content, reasoning, calls)
 
     @property
     def result(self):

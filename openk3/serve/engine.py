@@ -48,7 +48,7 @@ from openk3.data.tokenizer import ByteTokenizer, load_tokenizer
 from openk3.data.vision import load_media_proc_cfg, num_image_tokens, preprocess
 from openk3.model.cache import cache_specs
 from openk3.model.model import K3ForCausalLM
-from openk3.model.multimodal import K3ForConditionalGeneration, _placeholder_spans
+from openk3.model.multimodal import K3ForConditionalGeneration, placeholder_spans
 from openk3.ops.sampling import GREEDY_BELOW, sample_rows, sampling_probs_rows
 from openk3.serve.config import ServeConfig
 from openk3.serve.kv.manager import KVCacheManager
@@ -118,7 +118,7 @@ def _expand_placeholders(ids: list[int], rows_N: list[int], token_id: int) -> tu
     """Prompt ids with each image's placeholder (one, or N_k in a row) as N_k placeholders, and where each
     image's rows start. Raises ValueError naming the counts when the placeholders do not fit the images."""
     is_ph_BT = torch.tensor([ids], dtype=torch.long) == token_id
-    spans = _placeholder_spans(is_ph_BT, rows_N, token_id)
+    spans = placeholder_spans(is_ph_BT, rows_N, token_id)
     out, starts, prev = [], [], 0
     for k, ((positions, _), N) in enumerate(zip(spans, rows_N)):
         if positions[-1] - positions[0] + 1 != len(positions):

@@ -5,7 +5,8 @@
     k3 info (--ckpt DIR | --preset NAME)                 layer schedule and parameter counts
     k3 demo [--out DIR]                                  the README's main job: init tiny -> save -> reload -> generate
     k3 train --preset tiny --out DIR [...]               train (README's main job), resumable with --resume
-    k3 plot RUN_DIR                                      PNG plots of a run's metrics
+    k3 plot RUN_DIR                                      PNG plots of a run's metrics (training or RL)
+    k3 rl --task calculator,files --out DIR [...]        agentic RL in sandboxes (SFT warm start, GRPO, routing replay)
     k3 export --ckpt DIR --out DIR                       a training checkpoint or run in the release format (bf16 + fp32)
     k3 tokenizer train --out DIR [--data PATH]           a byte-level BPE for a preset's vocabulary
     k3 serve --ckpt DIR [--host H] [--port P]             OpenAI-compatible server (/v1/completions, /v1/chat/...)
@@ -32,6 +33,7 @@ from openk3.config import TEXT_PRESETS, K3Config
 from openk3.data.jinja_sandbox import DEFAULT_TIMEOUT_S
 from openk3.data.tokenizer import load_tokenizer
 from openk3.model.model import K3ForCausalLM
+from openk3.rl.config import RLConfig
 from openk3.serve.config import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -120,10 +122,10 @@ def _engine_from_args(args):
     (engine, chat template, checkpoint path)."""
     from openk3.data.chat import load_chat_template
     from openk3.data.jinja_sandbox import SandboxedRenderer
-    from openk3.serve.config import ServeConfig
-    from openk3.serve.engine import LLMEngine
     from openk3.data.vision import load_media_proc_cfg
     from openk3.model.multimodal import K3ForConditionalGeneration
+    from openk3.serve.config import ServeConfig
+    from openk3.serve.engine import LLMEngine
     from openk3.train.checkpoint import is_training_checkpoint, load_model, resolve_checkpoint
 
     folder, media_proc_cfg = resolve_checkpoint(args.ckpt), None
@@ -342,11 +344,12 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _launch_torchrun(nproc: int, argv: list[str]) -> int:
-    """`k3 train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m openk3.train ...` (same flags)."""
+def _launch_torchrun(nproc: int, argv: list[str], command: str = "train", module: str = "openk3.train") -> int:
+    """`k3 train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m openk3.train ...` (same flags); `k3 rl`
+    likewise with `-m openk3.rl`."""
     import subprocess
 
-    argv = argv[argv.index("train") + 1 :]
+    argv = argv[argv.index(command) + 1 :]
     rest, skip = [], False
     for a in argv:
         if skip:
@@ -356,15 +359,30 @@ def _launch_torchrun(nproc: int, argv: list[str]) -> int:
         elif not a.startswith("--nproc="):
             rest.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "openk3.train", *rest]  # fmt: skip
+           "-m", module, *rest]  # fmt: skip
     # torchrun would set OMP_NUM_THREADS=1 per process; the processes share the cores instead (--threads still wins).
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(pick_threads(None, nproc)[0])}
     return subprocess.call(cmd, env=env)
 
 
+def cmd_rl(args) -> int:
+    from openk3.rl.__main__ import run
+
+    if args.nproc > 1:
+        return _launch_torchrun(args.nproc, args.argv, command="rl", module="openk3.rl")
+    try:
+        cfg = config_from_args(args, RLConfig, "rl_config.json", "k3 rl")
+        return run(cfg)
+    except (ValueError, FileExistsError) as err:
+        print(f"k3 rl: {err}", file=sys.stderr)
+        return 2
+
+
 def cmd_plot(args) -> int:
     from openk3.train.plot import plot_run
 
+    if os.path.exists(os.path.join(args.run_dir, "rl_config.json")):  # a `k3 rl` run: reward and success curves
+        from openk3.rl.plot import plot_rl_run as plot_run
     for path in plot_run(args.run_dir, args.out):
         print(f"wrote {path}")
     return 0
@@ -406,7 +424,7 @@ def cmd_plan(args) -> int:
 
 
 # The benchmarks live in the checkout beside the package (benchmarks/NAME.py), not in the installed package.
-BENCHMARKS = ("kda", "serve", "ep", "sandbox")
+BENCHMARKS = ("kda", "serve", "ep", "sandbox", "rl")
 BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
@@ -656,7 +674,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1, help="processes on this machine (launches torchrun)")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("plot", help="PNG plots of a run (loss, MaxVio, expert load)")
+    p = sub.add_parser("rl", help="agentic RL in sandboxes: SFT warm start, rollouts, policy updates (--nproc N: "
+                       "N rollout workers)")  # fmt: skip
+    add_train_arguments(p, RLConfig)
+    p.add_argument("--nproc", type=int, default=1, help="processes on this machine (launches torchrun)")
+    p.set_defaults(func=cmd_rl)
+
+    p = sub.add_parser("plot", help="PNG plots of a run (loss, MaxVio, expert load; a k3 rl run: reward, success, "
+                       "log-prob gap)")  # fmt: skip
     p.add_argument("run_dir")
     p.add_argument("--out", default=None, help="folder for the PNGs (default: the run folder)")
     p.set_defaults(func=cmd_plot)

@@ -170,7 +170,7 @@ class BPETokenizer:
         return cls(tok, **names)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, special_ids: dict[str, int]) -> BPETokenizer:
+def train_bpe(texts: Iterable[str], vocab_size: int, special_ids: dict[str, int], split_digits: bool = False) -> BPETokenizer:
     """Train a byte-level BPE whose base ranks fill [0, vocab_size - 256) and whose 256 specials sit on top.
 
     `special_ids` maps a role to its id, e.g. `{"bos": 768, "eos": 770, "pad": 1023}` (take them from the model
@@ -178,7 +178,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, special_ids: dict[str, int]
     the media tokens, `[PAD]`), so the tokenizer speaks the release's chat format; a role placed off its K3 offset is
     named `<|role|>`, every other top id `<|reserved_token_{id}|>`. The trainer learns merges up to the base size; if
     the corpus is too small to fill it, the remaining base ids become unreachable placeholders `<|unused_base_{id}|>`
-    so that the special ids still land exactly where the config says.
+    so that the special ids still land exactly where the config says. `split_digits`: every digit its own token.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -206,6 +206,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, special_ids: dict[str, int]
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:  # one token per digit: a number reads the same wherever it stands (prompt, code, tool output)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), tok.pre_tokenizer])
     tok.decoder = decoders.ByteLevel()
     # The full 256-byte alphabet makes every string encodable, whatever bytes the training corpus happened to hold.
     trainer = trainers.BpeTrainer(

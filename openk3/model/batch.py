@@ -46,6 +46,11 @@ class ForwardBatch:
     # Context parallelism's per-step layout and exchanges: an object built by `parallel/cp.py` (`ContextParallel.
     # shard`), whose methods the layers call at their hand-off points; None on one rank.
     context_parallel: Any = None
+    # Routing replay (spec/rl.md §3): [T, M, k] integer (int16 or int64), the experts each packed token uses at
+    # each of the M MoE layers (model.moe.moe_layer_indices; dense layers have no entry), instead of the biased
+    # top-k; the weights are still recomputed from the router. Any order per token (used sorted ascending).
+    # Checked against the model by K3Model.forward. None: natural routing.
+    routed_experts: torch.Tensor | None = None
     seq_lens: list[int] = field(init=False)
     max_len: int = field(init=False)
     uniform: bool = field(init=False)
@@ -72,10 +77,11 @@ class ForwardBatch:
         cache: Any = None,
         row_len: int | None = None,
         mode: Mode | None = None,
+        routed_experts: torch.Tensor | None = None,
     ) -> ForwardBatch:
         cu = torch.zeros(len(seq_lens) + 1, dtype=torch.long)
         cu[1:] = torch.tensor(seq_lens, dtype=torch.long).cumsum(0)
-        return cls(input_ids_T, cu, cache, row_len, mode)
+        return cls(input_ids_T, cu, cache, row_len, mode, routed_experts=routed_experts)
 
     @classmethod
     def from_rows(cls, input_ids_RL: torch.Tensor, doc_lens: list[list[int]]) -> ForwardBatch:

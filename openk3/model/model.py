@@ -28,7 +28,7 @@ from openk3.model.hf import load_pretrained, save_pretrained
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.layers import DenseMLP, RMSNorm
 from openk3.model.mla import GatedMLA
-from openk3.model.moe import StableLatentMoE
+from openk3.model.moe import StableLatentMoE, moe_layer_indices
 from openk3.ops.sampling import sample
 
 # Parameters the release stores (and every precision policy keeps) in fp32 (spec/model.md §11).
@@ -57,7 +57,7 @@ class K3DecoderLayer(nn.Module):
         if text.ffn_kind(layer_idx) == "dense":
             self.mlp = DenseMLP(D, text.intermediate_size, text.activation_situ_beta, text.activation_situ_linear_beta)
         else:
-            self.block_sparse_moe = StableLatentMoE(text)
+            self.block_sparse_moe = StableLatentMoE(text, moe_layer_indices(text).index(layer_idx))
 
     def forward(self, partial_TD: torch.Tensor, bank: list[torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         """One layer; `bank` is read, never mutated (K3Model appends the finished block after the call): wrappers
@@ -68,8 +68,12 @@ class K3DecoderLayer(nn.Module):
         a = self.self_attn(self.input_layernorm(h), batch, cache)
         partial_TD = attnres.add_to_partial(partial_TD, a, self.block_start)
         h2 = attnres.mix(bank, partial_TD, self.mlp_res_norm, self.mlp_res_proj)
-        ffn = self.mlp if hasattr(self, "mlp") else self.block_sparse_moe
-        return partial_TD + ffn(self.post_attention_layernorm(h2))
+        x_TD = self.post_attention_layernorm(h2)
+        if hasattr(self, "mlp"):
+            return partial_TD + self.mlp(x_TD)
+        moe = self.block_sparse_moe
+        routes_Tk = None if batch.routed_experts is None else batch.routed_experts[:, moe.moe_index]  # replay
+        return partial_TD + moe(x_TD, routes_Tk)
 
 
 class K3Model(nn.Module):
@@ -85,6 +89,8 @@ class K3Model(nn.Module):
 
     def forward(self, batch: ForwardBatch, embeds_TD: torch.Tensor | None = None) -> torch.Tensor:
         """`embeds_TD` replaces the token embeddings (the multimodal model merges image rows into them)."""
+        if batch.routed_experts is not None:
+            self._check_routes(batch.routed_experts, batch.input_ids_T.shape[0])
         partial_TD = self.embed_tokens(batch.input_ids_T) if embeds_TD is None else embeds_TD
         bank: list[torch.Tensor] = []
         for layer in self.layers:
@@ -92,6 +98,24 @@ class K3Model(nn.Module):
             bank = attnres.close_block(bank, partial_TD, layer.block_start)  # as the layer did inside
             partial_TD = out_TD
         return self.norm(attnres.mix(bank, partial_TD, self.output_attn_res_norm, self.output_attn_res_proj))
+
+    def _check_routes(self, routes_TMk: torch.Tensor, T: int) -> None:
+        """Replayed routes must be [T, M, k] integers in [0, E) with k distinct experts per token and layer."""
+        moe = [layer.block_sparse_moe for layer in self.layers if hasattr(layer, "block_sparse_moe")]
+        E = moe[0].gate.weight.shape[0] if moe else 0
+        k = moe[0].top_k if moe else 0
+        expected = (T, len(moe), k)
+        dtype = routes_TMk.dtype
+        integer = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+        if tuple(routes_TMk.shape) != expected or not integer:
+            raise ValueError(f"routed_experts must be an integer tensor of shape (T, M, k) = {expected} (tokens, MoE "
+                             f"layers, experts per token), got {routes_TMk.dtype} {tuple(routes_TMk.shape)}")  # fmt: skip
+        if routes_TMk.numel() and (int(routes_TMk.min()) < 0 or int(routes_TMk.max()) >= E):
+            raise ValueError(f"routed_experts must be expert ids in [0, {E}), got values in "
+                             f"[{int(routes_TMk.min())}, {int(routes_TMk.max())}]")  # fmt: skip
+        sorted_TMk = routes_TMk.sort(dim=-1).values
+        if bool((sorted_TMk[..., 1:] == sorted_TMk[..., :-1]).any()):
+            raise ValueError("routed_experts repeats an expert within one token's k experts of a layer")
 
 
 @dataclass

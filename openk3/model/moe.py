@@ -2,6 +2,7 @@
 
     s        = sigmoid(f32(x) W_gate^T)                          router scores, fp32 [T, E]
     idx      = top-k of s + e_score_correction_bias              the bias only selects (frozen at inference)
+               or, under routing replay, the recorded experts     (spec/rl.md §3; still sorted ascending)
     w        = s[idx] / sum s[idx]                               renormalised unbiased weights
     z        = routed_expert_down_proj(x)                        into the latent width
     y        = bf16( sum_j f32(w_j) * f32(w2_j(SiTU-GLU(w1_j z, w3_j z))) )   ascending expert id
@@ -9,12 +10,16 @@
 
 Two swap points keep the layer single-device math: `dispatcher` (how latent tokens reach their experts; expert
 parallelism swaps in an all-to-all one) and `observer` (training registers it to see router scores and choices for
-quantile balancing and load metrics; the model never imports the trainer).
+quantile balancing and load metrics, and serving to record the routes; the model never imports the trainer). The
+observer always sees the experts actually used, replayed or not.
+
+Routing replay: `ForwardBatch.routed_experts` [T, M, k] holds, per token, the experts of each of the model's M MoE
+layers (`moe_layer_indices`; dense layers have no entry); the decoder layer hands MoE layer `moe_index` its slice.
 
 The experts are stored stacked ([E, ...] per matrix) for grouped GEMMs; model/hf.py maps them to the checkpoint's
 `experts.{e}.w{1,2,3}` tensors (w1 = gate, w3 = up, w2 = down).
 
-Legend: T tokens, D hidden, E experts, k experts per token, Lt latent width, F expert hidden.
+Legend: T tokens, D hidden, E experts, k experts per token, M MoE layers, Lt latent width, F expert hidden.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from torch import nn
 
 from openk3.config import K3TextConfig
 from openk3.model.layers import DenseMLP, RMSNorm
-from openk3.ops.moe.route import route_topk, router_scores
+from openk3.ops.moe.route import route_replay, route_topk, router_scores
 from openk3.ops.situ import situ_glu
 
 
@@ -101,9 +106,18 @@ def gathered_dispatch(z_TL, idx_Tk, w_Tk, experts: GroupedExperts) -> torch.Tens
 Observer = Callable[[nn.Module, torch.Tensor, torch.Tensor], None]
 
 
+def moe_layer_indices(config: K3TextConfig) -> list[int]:
+    """The layer ids of the MoE layers, in order: position m in this list is MoE layer m, the middle axis of
+    `ForwardBatch.routed_experts` and of recorded routes (dense layers, such as K3's layer 0, have no entry)."""
+    return [i for i in range(config.num_hidden_layers) if config.ffn_kind(i) == "moe"]
+
+
 class StableLatentMoE(nn.Module):
-    def __init__(self, config: K3TextConfig):
+    def __init__(self, config: K3TextConfig, moe_index: int = 0):
+        """`moe_index`: this layer's ordinal m among the model's MoE layers (`moe_layer_indices`), which selects its
+        slice of replayed routes; the decoder layer sets it."""
         super().__init__()
+        self.moe_index = moe_index
         D, Lt = config.hidden_size, config.routed_expert_hidden_size
         self.top_k, self.renormalize = config.num_experts_per_token, config.moe_renormalize
         self.scaling = config.routed_scaling_factor
@@ -119,9 +133,15 @@ class StableLatentMoE(nn.Module):
         self.dispatcher: Callable[..., torch.Tensor] = local_dispatch
         self.observer: Observer | None = None
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, routes_Tk: torch.Tensor | None = None) -> torch.Tensor:
+        """`routes_Tk` [T, k] integer: replay these experts (any order; used sorted) instead of the biased top-k;
+        the weights are recomputed from this forward's scores either way."""
         scores_TE = router_scores(x_TD, self.gate.weight)
-        idx_Tk, w_Tk = route_topk(scores_TE, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
+        if routes_Tk is None:
+            idx_Tk, w_Tk = route_topk(scores_TE, self.gate.e_score_correction_bias, self.top_k, self.renormalize,
+                                      self.scaling)  # fmt: skip
+        else:
+            idx_Tk, w_Tk = route_replay(scores_TE, routes_Tk, self.renormalize, self.scaling)
         if self.observer is not None:
             self.observer(self, scores_TE, idx_Tk)
         y_TL = self.dispatcher(self.routed_expert_down_proj(x_TD), idx_Tk, w_Tk, self.experts)

@@ -3,7 +3,9 @@
 Units (tokens): the hash unit U (prefix matching granularity, default 512) and the allocation unit B (one MLA page,
 a multiple of U; K3 uses 1024-6144 on GPUs, spec §1.3). Budgets: `max_num_batched_tokens` per engine step (chunked
 prefill and decode share it), `max_num_seqs` running requests (= KDA working slots), `num_blocks` MLA pages and
-`max_num_checkpoints` KDA state checkpoints. Derived defaults are filled in one place, `resolve`.
+`max_num_checkpoints` KDA state checkpoints. Derived defaults are filled in one place, `resolve`. For RL rollouts:
+`record_routed_experts` (routes per token) and `CheckpointPolicy.output_end` (agent-loop turns resume near the
+previous turn's output end).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ class CheckpointPolicy:
     prompt_end: bool = True  # the last unit boundary <= len(prompt) - 1
     interval: int = 32768  # tokens between checkpoints during long prefills (a multiple of U; 0 = off)
     second_sighting: bool = True  # latents matched deeper than any checkpoint: plant one at the matched depth
+    # While a request decodes, a checkpoint at each unit boundary it reaches, keeping only its latest one: the next
+    # turn of an agent loop (prompt = this prompt + output + observation) resumes near the end of this output.
+    output_end: bool = False
 
 
 @dataclass
@@ -70,6 +75,9 @@ class ServeConfig:
     # Fill freed state slots and freed pages with NaN so any read of unwritten memory poisons the logits
     # (spec §7 #3). Costs one fill per free; on by default because silent corruption is the worse failure.
     poison_free: bool = True
+    # Record every fed token's routed experts per MoE layer (kv/routes.py) and return them with each finished
+    # request (`CompletionOutput.routed_experts`), for routing replay in RL training (spec/rl.md §3).
+    record_routed_experts: bool = False
 
     @classmethod
     def from_options(cls, **options: Any) -> ServeConfig:
@@ -125,7 +133,8 @@ class ServeConfig:
     def _warn_if_inert(self) -> None:
         """Startup checks of spec §2.7: configurations under which prefix caching can never (or rarely) hit."""
         policy = self.checkpoint_policy
-        if not (policy.prompt_end or policy.interval or policy.second_sighting) or self.max_num_checkpoints == 0:
+        any_policy = policy.prompt_end or policy.interval or policy.second_sighting or policy.output_end
+        if not any_policy or self.max_num_checkpoints == 0:
             warnings.warn("prefix caching is inert: no KDA state checkpoint can ever be taken", stacklevel=3)
         if self.hash_unit >= self.max_model_len:
             warnings.warn(

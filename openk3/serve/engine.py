@@ -25,6 +25,12 @@ in one batched call (`ops.sampling.sample_rows`), each row from its request's ge
 `SamplingParams.seed` and the sample index), so a request's tokens do not depend on what it was batched with. Output
 text grows incrementally per sample (`data/detokenizer.py`), stop strings are searched in the new text only.
 
+As an RL rollout engine: `record_routed_experts=True` returns each finished sample's routed experts
+(`CompletionOutput.routed_experts`, read from the routes pool before its pages are released, kv/routes.py), and
+`update_weights(state_dict, version)` copies new weights in place between steps (no request may be running or
+waiting): the version is mixed into the prefix-cache hashes, so no state computed under older weights is ever
+served, and the cache is reset to free its memory at once. A draft model proposer keeps its own weights.
+
 Legend: N sampled rows, G tokens per verified request (1 + drafts), V vocabulary.
 """
 
@@ -52,6 +58,7 @@ from openk3.model.multimodal import K3ForConditionalGeneration, placeholder_span
 from openk3.ops.sampling import GREEDY_BELOW, sample_rows, sampling_probs_rows
 from openk3.serve.config import ServeConfig
 from openk3.serve.kv.manager import KVCacheManager
+from openk3.serve.kv.routes import ROUTE_DTYPE, num_moe_layers
 from openk3.serve.protocol import chat_request
 from openk3.serve.request import (
     CompletionOutput, ImageInputs, ImageRows, Request, RequestOutput, SamplingParams, Status,
@@ -144,6 +151,8 @@ class LLMEngine:
         config = config or ServeConfig()
         # One MLA page holds block_size tokens of every MLA layer's latent (the same CacheSpecs the pools use).
         page_bytes = config.block_size * sum(s.bytes_per_token for s in cache_specs(text, model.lm_head.weight.dtype))
+        if config.record_routed_experts:  # the routes pool rides along the pages (kv/routes.py)
+            page_bytes += config.block_size * num_moe_layers(text) * text.num_experts_per_token * ROUTE_DTYPE.itemsize
         self.config = config.resolve(text.max_position_embeddings, page_bytes)
         p = model.lm_head.weight
         self.manager = KVCacheManager(text, self.config, p.dtype, p.device)
@@ -156,6 +165,7 @@ class LLMEngine:
         self._prompts: dict[str, str | None] = {}
         self._counter = itertools.count()
         self.step_count = 0
+        self._weight_version = 0
         # Contained failures (a step that raised, or the caller's fail_all): how many, when the last was, and why.
         self.failed_steps, self.last_failure, self.last_error = 0, float("-inf"), None
         log.debug("%s", self.cache_summary())  # `k3 serve` prints it in its header; every engine logging it is noise
@@ -172,7 +182,8 @@ class LLMEngine:
 
     def cache_info(self) -> dict[str, int]:
         """The cache's memory, read from the allocated pools: MLA bytes per token, fixed KDA bytes per request."""
-        pools = self.manager.pools
+        pools, routes = self.manager.pools, self.manager.routes
+        routes_bytes = routes.nbytes() if routes is not None else 0
         return {
             "mla_bytes_per_token": pools.mla_bytes_per_token(),
             "bytes_per_request": pools.slot_bytes(),
@@ -180,7 +191,8 @@ class LLMEngine:
             "num_blocks": pools.num_blocks,
             "mla_pool_bytes": pools.latent_MNBR.numel() * pools.latent_MNBR.element_size(),
             "num_slots": pools.num_slots - 1,  # slot 0 is the dummy
-            "total_bytes": pools.nbytes(),
+            "routes_pool_bytes": routes_bytes,  # record_routed_experts only
+            "total_bytes": pools.nbytes() + routes_bytes,
         }
 
     def _make_proposer(self):
@@ -304,6 +316,39 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    # ---- weights ---------------------------------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights being served (0 at start; `update_weights` sets it). Setting it directly
+        (e.g. a trainer resuming at its step) also keys the prefix cache by it."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        self._weight_version = version
+        self.manager.set_weight_version(version)
+
+    def update_weights(self, weights: dict[str, torch.Tensor] | torch.nn.Module, version: int | None = None) -> int:
+        """Copy `weights` (a state dict with the engine model's names, or a model) into the model in place, cast to
+        each tensor's dtype; returns the new `weight_version` (`version`, default the current one + 1). Every name and
+        shape is checked before anything is copied: a missing or unexpected name or a shape mismatch is a ValueError
+        and changes nothing. Raises RuntimeError while any request is running or waiting (finish or abort them
+        first). The prefix cache is reset and keyed by the new version. A draft model proposer is left as it is."""
+        if self.scheduler.has_work():
+            raise RuntimeError(
+                f"update_weights with {len(self.scheduler.running)} running and {len(self.scheduler.waiting)} waiting "
+                "requests: finish or abort them first"
+            )
+        self.runner.load_weights(weights)
+        self.weight_version = self.weight_version + 1 if version is None else version
+        self.reset_prefix_cache()
+        return self.weight_version
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every prefix-cache entry no running request holds (checkpoints, cached pages); returns the number of
+        pages freed."""
+        return self.manager.reset_prefix_cache()
 
     # ---- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -452,6 +497,8 @@ class LLMEngine:
         return [self._output(rid) for rid in touched]
 
     def _finish(self, req: Request) -> None:
+        if self.manager.routes is not None:
+            req.routed_experts = self.manager.read_routes(req)  # before finish releases its pages
         self.scheduler.finish(req)
         if self.proposer is not None:
             self.proposer.release(req)
@@ -464,7 +511,7 @@ class LLMEngine:
                 req.index, req.detokenizer.output(req.is_finished), list(req.output_token_ids),
                 req.cumulative_logprob if req.params.logprobs is not None else None,
                 list(req.output_logprobs) if req.params.logprobs is not None else None,
-                req.finish_reason, req.stop_reason, req.error,
+                req.finish_reason, req.stop_reason, req.error, routed_experts=req.routed_experts,
             ))  # fmt: skip
         return RequestOutput(
             request_id, self._prompts.get(request_id), reqs[0].prompt_token_ids, outs,

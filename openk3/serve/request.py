@@ -3,7 +3,9 @@
 `SamplingParams` is what a user asks for; `Request` is the engine's record of one sequence being generated (one
 per `n`), with its token counters: `tokens` = prompt + output so far, and `num_computed` of them are folded into the
 cache. The request is prefilling while num_computed < len(tokens) - 1 and decoding when exactly one token (the
-last sampled) is left to feed. `RequestOutput` / `CompletionOutput` are what `LLM.generate` returns.
+last sampled) is left to feed. `RequestOutput` / `CompletionOutput` are what `LLM.generate` returns; with
+`record_routed_experts` a finished output carries the routed experts of its fed tokens (legend: P positions,
+M MoE layers, k experts per token).
 """
 
 from __future__ import annotations
@@ -106,6 +108,9 @@ class Request:
     unit_hashes: list[bytes] = field(default_factory=list)
     planned_checkpoints: list[int] = field(default_factory=list)  # token positions, ascending
     images: list[ImageRows] = field(default_factory=list)  # image rows of the prompt, in position order
+    output_checkpoint: bytes | None = None  # CheckpointPolicy.output_end: the unit hash of its latest one
+    # record_routed_experts: set when the request finishes, [P, M, k] int16 (kv/routes.py)
+    routed_experts: torch.Tensor | None = None
 
     @property
     def image_spans(self) -> list[tuple[int, int, bytes]]:
@@ -147,6 +152,10 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None  # with finish_reason "error": what went wrong for this sample
     message: dict | None = None  # LLM.chat: the parsed assistant message (content, reasoning_content, tool_calls)
+    # record_routed_experts: once finished, int16 [P, M, k] (CPU) = the experts each MoE layer (layer order) chose
+    # for positions 0..P-1 of prompt + token_ids, P = every fed position (len(prompt + token_ids) - 1 unless the
+    # request ended early); None while running or when recording is off.
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass

@@ -19,24 +19,28 @@ from openk3.train.config import TrainConfig
 _QUIET_ON_RESUME = ("steps", "resume", "out")
 
 
-def _flag_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(TrainConfig) if "help" in f.metadata]
+def _flag_fields(cls=TrainConfig) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if "help" in f.metadata]
 
 
-def _field_type(name: str) -> type:
+def _field_type(name: str, cls=TrainConfig) -> type:
     """The field's annotated type, without `| None`."""
-    t = typing.get_type_hints(TrainConfig)[name]
+    t = typing.get_type_hints(cls)[name]
     if isinstance(t, types.UnionType):
         t = next(a for a in typing.get_args(t) if a is not type(None))
     return t
 
 
-def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    for f in _flag_fields():
-        name, meta, typ = f.name.replace("_", "-"), f.metadata, _field_type(f.name)
+def add_train_arguments(p: argparse.ArgumentParser, cls=TrainConfig) -> None:
+    """The flags of `cls` (TrainConfig, or another config dataclass made with `config.flag`, e.g. `k3 rl`'s)."""
+    for f in _flag_fields(cls):
+        name, meta, typ = f.name.replace("_", "-"), f.metadata, _field_type(f.name, cls)
         if typ is bool and f.default:
             p.add_argument(f"--no-{name}", dest=f.name, action="store_const", const=False, default=None,
                            help=meta["help"])  # fmt: skip
+            if meta.get("both"):  # a switch on by default that a command line may also name explicitly
+                p.add_argument(f"--{name}", dest=f.name, action="store_const", const=True, default=None,
+                               help=argparse.SUPPRESS)  # fmt: skip
         elif typ is bool:
             p.add_argument(f"--{name}", dest=f.name, action="store_const", const=True, default=None, help=meta["help"])
         else:
@@ -50,18 +54,18 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                            metavar=metavar, help=help_text)  # fmt: skip
 
 
-def config_from_args(args) -> TrainConfig:
-    """The run's TrainConfig: the given flags over the defaults, or on --resume over the saved train_config.json."""
-    fields = _flag_fields()
+def config_from_args(args, cls=TrainConfig, file_name: str = "train_config.json", command: str = "k3 train"):
+    """The run's config: the given flags over the defaults, or on --resume over the saved `file_name`."""
+    fields = _flag_fields(cls)
     given = {f.name: getattr(args, f.name) for f in fields if getattr(args, f.name) is not None}
-    saved_file = os.path.join(args.out, "train_config.json")
+    saved_file = os.path.join(args.out, file_name)
     if not (args.resume and os.path.exists(saved_file)):
-        return TrainConfig(**given)
-    saved = dataclasses.asdict(TrainConfig.from_file(saved_file))
+        return cls(**given)
+    saved = dataclasses.asdict(cls.from_file(saved_file))
     launch = {f.name: f.default for f in fields if f.metadata.get("launch")}
     for key, value in given.items():
         if key not in launch and key not in _QUIET_ON_RESUME and saved.get(key) != value:
-            print(f"k3 train: note: --resume changes {key} from {saved.get(key)!r} to {value!r}", file=sys.stderr)
+            print(f"{command}: note: --resume changes {key} from {saved.get(key)!r} to {value!r}", file=sys.stderr)
     saved.update(launch)
     saved.update(given)
-    return TrainConfig(**saved)
+    return cls(**saved)

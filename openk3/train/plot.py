@@ -20,17 +20,21 @@ def read_metrics(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
+def prepare_plots(run_dir: str, out_dir: str | None) -> tuple[list[dict], str, str]:
+    """(metric rows, output folder (made), run name) for a run's plots; the non-interactive matplotlib backend."""
     import matplotlib
 
     matplotlib.use("Agg")
-
     rows = read_metrics(run_dir)
     if not rows:
         raise ValueError(f"{run_dir}/metrics.jsonl is empty")
     out_dir = out_dir or run_dir
     os.makedirs(out_dir, exist_ok=True)
-    name = os.path.basename(os.path.abspath(run_dir))
+    return rows, out_dir, os.path.basename(os.path.abspath(run_dir))
+
+
+def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
+    rows, out_dir, name = prepare_plots(run_dir, out_dir)
     written = [_save(loss_figure(rows, name), out_dir, "loss.png")]
     if any(r.get("max_vio") is not None for r in rows):
         written.append(_save(max_vio_figure(rows, name), out_dir, "max_vio.png"))

@@ -1,5 +1,6 @@
 """K3's router (`KimiMoEGate`, spec/model.md §7.3): fp32 sigmoid scores, biased top-k for selection only,
-renormalised unbiased weights. Also the biased top-(k+1) cutoff used by quantile balancing (spec/balancing.md).
+renormalised unbiased weights; routing replay (given experts, recomputed weights; spec/rl.md §3). Also the biased
+top-(k+1) cutoff used by quantile balancing (spec/balancing.md).
 
 Legend: T tokens, E experts, k experts per token.
 """
@@ -26,10 +27,27 @@ def route_topk(
     """
     choice_TE = scores_TE + bias_E.float()
     idx_Tk = torch.topk(choice_TE, k, dim=-1, sorted=False).indices.sort(dim=-1).values
+    return idx_Tk, route_weights(scores_TE, idx_Tk, renormalize, scaling)
+
+
+def route_replay(
+    scores_TE: torch.Tensor, idx_Tk: torch.Tensor, renormalize: bool = True, scaling: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing replay (R3, spec/rl.md §3): the experts are given (recorded at rollout), the weights come from this
+    forward's scores at them, so the router still gets gradients. Returns (indices [T, k] int64, sorted ascending
+    by expert id like `route_topk`'s so the fp32 combine order is the natural one; weights [T, k]). The given
+    indices may be any integer dtype and order; each token's k experts must be distinct and in [0, E)."""
+    idx_Tk = idx_Tk.to(device=scores_TE.device, dtype=torch.long).sort(dim=-1).values
+    return idx_Tk, route_weights(scores_TE, idx_Tk, renormalize, scaling)
+
+
+def route_weights(scores_TE: torch.Tensor, idx_Tk: torch.Tensor, renormalize: bool, scaling: float) -> torch.Tensor:
+    """The unbiased scores at the chosen experts, renormalised to sum to 1 and scaled: [T, k]. The one weight rule
+    of natural (`route_topk`) and replayed (`route_replay`) routing, so the two agree bit for bit on equal idx."""
     w_Tk = scores_TE.gather(-1, idx_Tk)
     if renormalize:
         w_Tk = w_Tk / (w_Tk.sum(-1, keepdim=True) + 1e-20)
-    return idx_Tk, w_Tk * scaling
+    return w_Tk * scaling
 
 
 def route_topk_cutoff(scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

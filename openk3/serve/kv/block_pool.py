@@ -112,6 +112,15 @@ class BlockPool:
                 self._on_free(block)
                 self.free.append(block)
 
+    def evict_all(self) -> int:
+        """Evict every cached, unreferenced page into the free queue (a prefix-cache reset); returns how many."""
+        n = len(self.evictable)
+        while self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            self._on_evict(block)
+            self.free.append(block)
+        return n
+
     def check(self) -> None:
         """Invariants (tests call this after every step): no page both free and referenced or cached."""
         free, evictable = set(self.free), set(self.evictable)

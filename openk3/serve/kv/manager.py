@@ -6,8 +6,16 @@ and maps the hit's pages into the table: a page fully covered by the hit, whose 
 order, is shared (reference count + 1); any other page of the hit (the partial last page, or units spread over
 pages) is copied into a fresh page first (copy-on-write), so nobody ever writes into a shared page.
 
-After each forward the engine calls `commit`: full units whose latents are now computed are registered, and when
-the request stands exactly on a planned checkpoint position its working slot is copied into a checkpoint slot.
+After each forward the engine calls `commit`: full units whose latents are now computed are registered (output
+tokens too), and when the request stands exactly on a planned checkpoint position its working slot is copied into a
+checkpoint slot. With `CheckpointPolicy.output_end`, a decoding request that reaches a unit boundary inside its
+output takes a checkpoint there and drops its previous output checkpoint (unless a hit has used it), so it holds at
+most one; under speculative decoding a verify step may jump over a boundary, which then gets none.
+
+Weight versions: `set_weight_version` mixes the version into every unit hash (`chain_hashes`' extra key), so
+entries computed under older weights never match again and age out through LRU; `reset_prefix_cache` drops every
+unreferenced page and every checkpoint at once. With `record_routed_experts` a `RoutesPool` (kv/routes.py) rides
+along the MLA pages: copy-on-write copies its rows, freed pages are poisoned to -1, `read_routes` reads a request's.
 
 Legend: U hash unit, B page size, u units.
 """
@@ -23,6 +31,7 @@ import torch
 from openk3.serve.config import ServeConfig
 from openk3.serve.kv.block_pool import BlockPool, HybridPools, SlotPool
 from openk3.serve.kv.prefix import PrefixIndex, chain_hashes
+from openk3.serve.kv.routes import RoutesPool, num_moe_layers
 from openk3.serve.kv.views import PagedCache
 from openk3.serve.request import Request
 
@@ -55,6 +64,11 @@ class KVCacheManager:
         self.stats = CacheStats()
         self._recent: deque[tuple[int, int, int]] = deque(maxlen=64)  # (prompt len, latent match, effective hit)
         self._warned: set[str] = set()
+        self.routes = None
+        if config.record_routed_experts:
+            self.routes = RoutesPool(config.num_blocks, self.B, num_moe_layers(text_config),
+                                     text_config.num_experts_per_token, device)  # fmt: skip
+        self.hash_key = b""  # mixed into every unit hash: the weight version (b"" for version 0)
 
     # ---- pool callbacks --------------------------------------------------------------------------------------
     def _evict_block(self, block: int) -> None:
@@ -66,6 +80,8 @@ class KVCacheManager:
     def _free_block(self, block: int) -> None:
         if self.config.poison_free:
             self.pools.poison_block(block)
+            if self.routes is not None:
+                self.routes.poison_block(block)
 
     def _release_checkpoint_slot(self, slot: int) -> None:
         self.stats.checkpoints_evicted += 1
@@ -107,7 +123,7 @@ class KVCacheManager:
         hit_units = 0
         if self.config.enable_prefix_caching:
             known = req.unit_hashes[: len(tokens) // self.U]
-            req.unit_hashes = chain_hashes(tokens, self.U, known, images=req.image_spans)
+            req.unit_hashes = chain_hashes(tokens, self.U, known, self.hash_key, req.image_spans)
             cap = (len(tokens) - 1) // self.U  # always recompute at least one token
             n_units, hit_units = self.index.match(req.unit_hashes, cap)
             self.stats.queries += 1
@@ -149,6 +165,8 @@ class KVCacheManager:
             for i, (block, k) in enumerate(page_locs):  # copy-on-write, unit by unit
                 dst, src = slice(i * self.U, (i + 1) * self.U), slice(k * self.U, (k + 1) * self.U)
                 self.pools.latent_MNBR[:, fresh, dst] = self.pools.latent_MNBR[:, block, src]
+                if self.routes is not None:
+                    self.routes.copy_unit(fresh, dst, block, src)
             self.stats.cow_copies += 1
             req.block_ids.append(fresh)
         for block in sources:
@@ -180,8 +198,8 @@ class KVCacheManager:
         tokens = req.tokens
         done_units = req.num_computed // self.U
         if len(req.unit_hashes) < done_units:
-            req.unit_hashes = chain_hashes(tokens[: done_units * self.U], self.U, req.unit_hashes,
-                                           images=req.image_spans)  # fmt: skip
+            req.unit_hashes = chain_hashes(tokens[: done_units * self.U], self.U, req.unit_hashes, self.hash_key,
+                                           req.image_spans)  # fmt: skip
         per_block = self.B // self.U
         for u in range(done_units):
             self.index.register(req.unit_hashes[u], req.block_ids[u // per_block], u % per_block)
@@ -190,19 +208,55 @@ class KVCacheManager:
         if req.planned_checkpoints and req.planned_checkpoints[0] == req.num_computed:
             req.planned_checkpoints.pop(0)
             self._take_checkpoint(req, req.num_computed // self.U)
+        elif (
+            self.config.checkpoint_policy.output_end
+            and req.num_computed % self.U == 0
+            and req.num_computed > len(req.prompt_token_ids)  # the prompt end is the prompt_end policy's
+        ):
+            self._take_output_checkpoint(req)
 
-    def _take_checkpoint(self, req: Request, depth: int) -> None:
+    def _take_output_checkpoint(self, req: Request) -> None:
+        """A checkpoint where a decoding request stands (a unit boundary); its previous output checkpoint goes,
+        unless a hit has restored from it since (another request uses that point)."""
+        prev = self.index.checkpoints.get(req.output_checkpoint) if req.output_checkpoint is not None else None
+        if prev is not None and prev.hits == 0:
+            self._release_checkpoint_slot(self.index.drop_checkpoint(req.output_checkpoint))
+        req.output_checkpoint = None
+        if self._take_checkpoint(req, req.num_computed // self.U):
+            req.output_checkpoint = req.unit_hashes[req.num_computed // self.U - 1]
+
+    def _take_checkpoint(self, req: Request, depth: int) -> bool:
+        """Copy the working slot into a new checkpoint at `depth` units; False when none was taken."""
         h = req.unit_hashes[depth - 1]
         if h in self.index.checkpoints or self.config.max_num_checkpoints == 0:
-            return
+            return False
         if len(self.index.checkpoints) >= self.config.max_num_checkpoints:
             self._release_checkpoint_slot(self.index.evict_oldest_checkpoint())
         slot = self.slots.allocate()
         if slot is None:  # every slot holds a running request; skip rather than stall
-            return
+            return False
         self.pools.copy_slot(req.slot, slot)
         self.index.add_checkpoint(h, slot, depth, req.unit_hashes)
         self.stats.checkpoints_created += 1
+        return True
+
+    def read_routes(self, req: Request) -> torch.Tensor:
+        """The routes [P, M, k] of every position `req` has fed, P = num_computed (at most num_tokens - 1: a
+        verify step that stopped early fed drafts that are not in the output). Call before `release`."""
+        assert self.routes is not None, "read_routes() without record_routed_experts"
+        return self.routes.read(req.block_ids, min(req.num_computed, req.num_tokens - 1))
+
+    # ---- weight versions -----------------------------------------------------------------------------------------
+    def set_weight_version(self, version: int) -> None:
+        """Mix `version` into every unit hash from now on: nothing cached under another version matches again."""
+        self.hash_key = b"" if version == 0 else f"weights:{version}".encode()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every checkpoint and every unreferenced cached page (pages of running requests stay); returns the
+        number of pages freed."""
+        while self.index.checkpoints:
+            self._release_checkpoint_slot(self.index.evict_oldest_checkpoint())
+        return self.blocks.evict_all()
 
     def release(self, req: Request) -> None:
         """Return a finished or preempted request's slot and page references."""

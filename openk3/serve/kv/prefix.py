@@ -3,6 +3,9 @@ the sparse table of KDA state checkpoints.
 
     h_i = SHA-256(h_{i-1} || extra key || image keys of unit i || token ids of unit i)   over full units only
 
+The extra key is the engine's weight version (empty for version 0; `KVCacheManager.set_weight_version`): after a
+weight update no unit computed under the old weights can match, so a stale latent or state is never served.
+
 The image keys of a unit are the content hashes of every image whose rows fall (partly) in it, in order: two
 different images behind the same placeholder ids never share an entry. A text-only unit has none, so its hash is
 exactly the text hash.
@@ -43,6 +46,7 @@ class Checkpoint:
     slot: int
     depth: int  # units
     blocks: frozenset[int]  # pages holding units 1..depth
+    hits: int = 0  # admissions that restored from it
 
 
 class PrefixIndex:
@@ -89,7 +93,12 @@ class PrefixIndex:
 
     def touch_checkpoint(self, h: bytes) -> Checkpoint:
         self.checkpoints.move_to_end(h)
+        self.checkpoints[h].hits += 1
         return self.checkpoints[h]
+
+    def drop_checkpoint(self, h: bytes) -> int:
+        """Forget checkpoint `h`; returns its slot to release."""
+        return self._drop_checkpoint(h)
 
     def evict_oldest_checkpoint(self) -> int:
         h = next(iter(self.checkpoints))

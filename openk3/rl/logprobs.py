@@ -1,0 +1,78 @@
+"""Trainer-side log-probabilities of whole trajectories: one packed forward over every sequence (no padding),
+optionally replaying the rollout's routed experts (R3, spec/rl.md §3), then per sequence
+`logp[t] = log softmax(logits[t] / temperature)[seq[t + 1]]`, the log-probability of each token given its prefix.
+
+Only positions 0..n-2 are fed: the last token's logits predict nothing, and causal layers make its position
+irrelevant to the others. This is also exactly what the engine fed (the last token is sampled, never fed), so the
+recorded routes cover the fed positions with no padding, and the expert groups match the rollout's row for row
+(padding a guessed route for an extra position would change the grouped GEMMs' shapes and so the rounding).
+
+The result is differentiable (callers wrap it in `torch.no_grad()` for old/reference log-probs).
+
+Legend: T packed tokens, V vocabulary, M MoE layers (model.moe.moe_layer_indices), k experts per token,
+n one sequence's length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openk3.model.batch import ForwardBatch
+
+
+def sequence_logprobs(
+    model: nn.Module,
+    sequences: list[list[int]],
+    routed_experts: list[torch.Tensor | None] | None = None,
+    *,
+    temperature: float = 1.0,
+) -> list[torch.Tensor]:
+    """Per sequence i, `out[i][t] = log p(seq[t + 1] | seq[:t + 1])` for t in 0..n-2: fp32 [n - 1].
+
+    `model`: a K3ForCausalLM (its `forward_batch`). Positions 0..n-2 are fed (module docstring); a sequence of one
+    token gets an empty result. `routed_experts[i]`: [>= n - 1, M, k] integer, the experts sequence i's positions
+    were routed to at rollout (the engine records every fed position, n - 1 of them); rows past n - 1 (the last
+    token's, if recorded) are not used. Replay is all or nothing: every entry given, or `routed_experts` None (or
+    all entries None) for natural routing; a mix raises ValueError.
+    """
+    if not sequences or min(len(s) for s in sequences) < 1:
+        raise ValueError(f"sequence_logprobs needs non-empty sequences, got lengths {[len(s) for s in sequences]}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    device = next(model.parameters()).device
+    fed = [len(s) - 1 for s in sequences]  # positions fed per sequence
+    routes_TMk = None if routed_experts is None else packed_routes(routed_experts, fed, device)
+    keep = [i for i, n in enumerate(fed) if n > 0]  # a one-token sequence feeds nothing
+    if not keep:
+        return [torch.zeros(0, device=device) for _ in sequences]
+    inputs_T = torch.tensor([tok for i in keep for tok in sequences[i][:-1]], dtype=torch.long, device=device)
+    targets_T = torch.tensor([tok for i in keep for tok in sequences[i][1:]], dtype=torch.long, device=device)
+    batch = ForwardBatch.from_lengths(inputs_T, [fed[i] for i in keep], routed_experts=routes_TMk)
+    logp_TV = torch.log_softmax(model.forward_batch(batch).float() / temperature, dim=-1)
+    logp_T = logp_TV.gather(-1, targets_T[:, None]).squeeze(-1)
+    out = [logp_T.new_zeros(0) for _ in sequences]
+    for i, logp_n in zip(keep, logp_T.split([fed[i] for i in keep])):
+        out[i] = logp_n
+    return out
+
+
+def packed_routes(routed_experts: list[torch.Tensor | None], fed: list[int], device: torch.device) -> torch.Tensor | None:
+    """Each sequence's routes cut to its `fed` positions and packed: [T, M, k] int64, or None when every entry is
+    None."""
+    if len(routed_experts) != len(fed):
+        raise ValueError(f"routed_experts has {len(routed_experts)} entries for {len(fed)} sequences")
+    given = [r is not None for r in routed_experts]
+    if not any(given):
+        return None
+    if not all(given):
+        missing = [i for i, g in enumerate(given) if not g]
+        raise ValueError(f"routed_experts is None for sequences {missing} but given for others: mixed replay and "
+                         "natural routing in one forward is not supported")  # fmt: skip
+    rows = []
+    for i, (r_PMk, n) in enumerate(zip(routed_experts, fed)):
+        if r_PMk.dim() != 3 or r_PMk.shape[0] < n:
+            raise ValueError(f"routed_experts[{i}] must be [>= {n}, M, k] for a sequence of {n + 1} tokens, got "
+                             f"shape {tuple(r_PMk.shape)}")  # fmt: skip
+        rows.append(r_PMk[:n].to(device=device, dtype=torch.long))
+    return torch.cat(rows)

@@ -1,0 +1,112 @@
+"""The RL loop: metrics lines, checkpoints and --resume, plots, and the multi-process update (2 gloo ranks) equal
+to the one-process update of the same trajectories, with every rank's engine serving rank 0's weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from openk3.config import K3Config
+from openk3.data.tokenizer import train_bpe
+from openk3.model.model import K3ForCausalLM
+from openk3.rl.config import RLConfig
+from tests.parallel.dist_helpers import run_ranks
+
+REQUIRED = ("step", "reward", "success", "logprob_gap", "routing_replay", "rollout_tokens_per_s")
+
+
+@pytest.fixture(scope="module")
+def init_dir(tmp_path_factory):
+    """A small XTML-speaking policy checkpoint (the training init; a BPE trained on a few task words)."""
+    path = str(tmp_path_factory.mktemp("policy"))
+    config = K3Config.preset("tiny")
+    model = K3ForCausalLM(config)
+    model.init_weights(torch.Generator().manual_seed(0))
+    model.save_pretrained(path)
+    text = config.text_config
+    special = {"bos": text.bos_token_id, "eos": text.eos_token_id, "pad": text.pad_token_id}
+    train_bpe(["What is 12 times 34, plus 5? print python"] * 10, text.vocab_size, special).save(path)
+    return path
+
+
+def _config(init_dir: str, out: str, **kw) -> RLConfig:
+    small = {"task": "calculator", "out": out, "init": init_dir, "groups_per_step": 2, "group_size": 2, "max_turns": 2,
+             "max_tokens": 40, "max_tokens_per_turn": 16, "eval_tasks": 2, "eval_every": 2, "save_every": 1,
+             "progress": False}  # fmt: skip
+    return RLConfig(**{**small, **kw})
+
+
+def test_run_metrics_resume_and_plot(init_dir, tmp_path, fleet):
+    from openk3.rl.loop import RLTrainer
+    from openk3.rl.plot import plot_rl_run
+
+    out = str(tmp_path / "run")
+    trainer = RLTrainer(_config(init_dir, out, steps=2, stop_after=1, sft_steps=2), log=lambda *a: None, fleet=fleet)
+    trainer.run()
+    trainer.close()
+    with pytest.raises(FileExistsError, match="--resume"):
+        RLTrainer(_config(init_dir, out, steps=2), fleet=fleet)
+    trainer = RLTrainer(_config(init_dir, out, steps=2, resume=True, sft_steps=2), log=lambda *a: None, fleet=fleet)
+    assert trainer.step == 1 and trainer.version == 1 and trainer.sft_done == 2
+    trainer.run()
+    trainer.close()
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == [0, 1, 2]  # the eval line at step 0, then one line per step
+    assert "eval_success" in rows[0] and "eval_success" in rows[2]
+    for row in rows[1:]:
+        assert all(k in row for k in REQUIRED), sorted(row)
+        assert row["routing_replay"] is True and row["logprob_gap"] <= 1e-5
+        assert set(row["success"]) == {"calculator"}
+    assert os.path.exists(os.path.join(out, "sft.jsonl"))
+    written = plot_rl_run(out)
+    assert {os.path.basename(p) for p in written} == {"reward.png", "logprob_gap.png"}
+
+
+def _rank(rank: int, world: int, init_dir: str, out: str):
+    from openk3.rl.loop import RLTrainer
+    from openk3.rl.weight_sync import Sync
+    from openk3.sandbox.fleet import Fleet
+
+    with Fleet(max_sandboxes=8, warm=0, memory_mb=256) as fleet:
+        trainer = RLTrainer(_config(init_dir, out, steps=1), sync=Sync.from_process_group(), log=lambda *a: None,
+                            fleet=fleet)  # fmt: skip
+        seen = {}
+        update = trainer.update
+
+        def spy(trajs):
+            seen["trajs"] = [dataclasses.replace(t, env=None) for t in trajs]
+            return update(trajs)
+
+        trainer.update = spy
+        trainer.train_step()
+        out_state = {
+            "trajs": seen.get("trajs"),
+            "model": {k: v.clone() for k, v in trainer.model.state_dict().items()},
+            "engine": {k: v.clone() for k, v in trainer.engine.model.state_dict().items()},
+            "engine_version": trainer.engine.weight_version,
+        }
+        trainer.close()
+    return out_state
+
+
+def test_two_ranks_make_the_one_process_update(init_dir, tmp_path, fleet):
+    from openk3.rl.loop import RLTrainer
+
+    ranks = run_ranks(2, _rank, init_dir, str(tmp_path / "two"))
+    trajs = ranks[0]["trajs"]
+    assert ranks[1]["trajs"] is None  # rank 0 alone trains
+    assert sorted({t.group for t in trajs}) == [0, 1] and len(trajs) == 4  # both ranks' groups were gathered
+    single = RLTrainer(_config(init_dir, str(tmp_path / "one"), steps=1), log=lambda *a: None, fleet=fleet)
+    single.update(trajs)
+    state = single.model.state_dict()
+    single.close()
+    for name, t in state.items():
+        assert torch.equal(t, ranks[0]["model"][name]), name
+        assert torch.equal(t, ranks[1]["engine"][name]), name  # the broadcast reached the other rank's engine
+        assert torch.equal(t, ranks[1]["model"][name]), name
+    assert ranks[0]["engine_version"] == ranks[1]["engine_version"] == 1

@@ -24,14 +24,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import machine_info, targets_table, write_report  # noqa: E402
+from report import machine_info, targets_table, write_report
 
-from openk3.rl.config import RLConfig  # noqa: E402
-from openk3.rl.envs import get_family  # noqa: E402
-from openk3.rl.loop import RLTrainer, engine_config  # noqa: E402
-from openk3.rl.plot import plot_rl_run  # noqa: E402
-from openk3.rl.rollout import RolloutWorker  # noqa: E402
-from openk3.serve.engine import LLMEngine  # noqa: E402
+from openk3.rl.config import RLConfig
+from openk3.rl.envs import get_family
+from openk3.rl.loop import RLTrainer, engine_config
+from openk3.rl.plot import plot_rl_run
+from openk3.rl.rollout import RolloutWorker
+from openk3.serve.engine import LLMEngine
 
 
 def prefix_cache_ratio(trainer: RLTrainer, episodes: int = 16) -> dict:
@@ -131,15 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         "train_share": mean("train_share"), "step_s": mean("step_s"), "targets": targets,
     }  # fmt: skip
     md = ["# Agentic RL on CPU (`python benchmarks/rl.py`)", "",
-          f"Machine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}; load before: "
-          f"{info['load_before']}.", "",
+          (f"Machine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}; load before: "
+           f"{info['load_before']}."), "",
           *targets_table(targets, "issue 14"), "",
           "## Run", "",
           f"- policy: fresh `tiny` ({args.task}), SFT warm start {args.sft_steps} steps in {sft_s:.0f} s;",
-          f"- RL: {trainer.step} steps in {rl_s:.0f} s ({mean('step_s'):.1f} s/step), {cfg.groups_per_step} groups x "
-          f"{cfg.group_size} samples, {cfg.loss} ({cfg.eps_low}/{cfg.eps_high}), {cfg.correction}, routing replay;",
-          f"- held-out success (greedy, {args.eval_tasks} test tasks per family): start {start}, end {final}, "
-          f"gain {gain};",
+          (f"- RL: {trainer.step} steps in {rl_s:.0f} s ({mean('step_s'):.1f} s/step), {cfg.groups_per_step} groups x "
+           f"{cfg.group_size} samples, {cfg.loss} ({cfg.eps_low}/{cfg.eps_high}), {cfg.correction}, routing replay;"),
+          (f"- held-out success (greedy, {args.eval_tasks} test tasks per family): start {start}, end {final}, "
+           f"gain {gain};"),
           f"- prefix caching on files episodes: {json.dumps(caching)};",
           "", "Curves: `rl-cpu-reward.png`, `rl-cpu-logprob_gap.png`.", ""]  # fmt: skip
     write_report(result, args.out, "\n".join(md))

@@ -219,8 +219,8 @@ class RLTrainer:
             if len(members) < self.cfg.group_size:
                 waiting += members
                 continue
-            oldest = min(v for t in members for v, g in zip(t.versions, t.generated) if g) if any(
-                t.num_generated for t in members) else self.version  # fmt: skip
+            versions = [v for t in members for v, g in zip(t.versions, t.generated) if g]
+            oldest = min(versions, default=self.version)
             if self.version - oldest > self.cfg.max_off_policy_steps:
                 dropped += len(members)
                 continue

@@ -116,13 +116,11 @@ class RolloutWorker:
     # ---- episodes ----------------------------------------------------------------------------------------------
     def start(self, task: Task, group: int = 0, sample: int = 0) -> Trajectory:
         """A new episode: its environment reset (a sandbox forked from the task's snapshot), its prompt rendered."""
-        t0 = time.perf_counter()
         env = ToolEnv(self.fleet, self.budgets, self.snapshots)
         messages = env.reset(task)
         traj = Trajectory(task, group, sample, env=env)
         traj.append(prompt_ids(messages, task.tools, self.tokenizer), generated=False)
         traj.turn_start = len(traj.tokens)
-        self.last_reset_s = time.perf_counter() - t0
         return traj
 
     def run(self, trajs: list[Trajectory], version: int, finish_fraction: float = 1.0, *, temperature: float = 1.0,

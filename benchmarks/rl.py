@@ -1,6 +1,7 @@
 """The agentic-RL benchmark (issue 14 targets), one run on this machine, written to benchmarks/results/rl-cpu.*:
 
-1. a fresh tiny policy, the SFT warm start on demonstrations, then `k3 rl` for a wall-clock budget (30 min);
+1. a fresh tiny policy, the warm start (copy pre-training, then SFT on demonstrations with a share of tool-free
+   guesses), then `k3 rl` for a wall-clock budget (30 min); `--init` starts RL from an earlier run's warm start;
    held-out success per family (greedy, the same test tasks) at the SFT start and after RL -> `success_gain`;
 2. routing replay: the rollout-vs-train log-prob gap per token with replay (the training forward) and without (the
    extra forward every step makes), averaged over the RL steps;
@@ -8,7 +9,8 @@
    cache on and off (the same tokens, asserted): prefill tokens per episode, the ratio;
 4. rollout throughput (generated tokens/s) and the share of step time spent in inference, sandboxes and training.
 
-    python benchmarks/rl.py (or k3 bench rl) [--sft-steps 300] [--rl-minutes 30] [--task calculator,files] [--out benchmarks/results/rl-cpu]
+    python benchmarks/rl.py (or k3 bench rl) [--copy-steps 400] [--sft-steps 200] [--guess-share 0.7] [--lr 1e-4]
+        [--rl-minutes 30] [--task calculator,files] [--init WARM_RUN] [--out benchmarks/results/rl-cpu]
 """
 
 from __future__ import annotations
@@ -59,25 +61,50 @@ def prefix_cache_ratio(trainer: RLTrainer, episodes: int = 16) -> dict:
     return out
 
 
+def warm_start_seconds(run: str) -> float:
+    """The copy and SFT phases' wall time, from a run's sft.jsonl (each phase's last line)."""
+    last: dict[str, float] = {}
+    with open(os.path.join(run, "sft.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            last["copy" if "copy_step" in row else "sft"] = row["elapsed_s"]
+    return sum(last.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="calculator,files")
-    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--copy-steps", type=int, default=400, help="k3 rl --copy-steps")
+    p.add_argument("--sft-steps", type=int, default=200)
     p.add_argument("--rl-minutes", type=float, default=30.0)
     p.add_argument("--max-steps", type=int, default=400)
     p.add_argument("--eval-tasks", type=int, default=32)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--guess-share", type=float, default=0.7, help="k3 rl --sft-guess-share")
+    p.add_argument("--lr", type=float, default=RLConfig.lr, help="k3 rl --lr")
+    p.add_argument("--groups-per-step", type=int, default=RLConfig.groups_per_step)
+    p.add_argument("--group-size", type=int, default=RLConfig.group_size)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", default=None, help="start RL from this warm-started checkpoint (skips copy and SFT)")
     p.add_argument("--run", default="runs/bench-rl", help="the run folder (replaced)")
     p.add_argument("--out", default="benchmarks/results/rl-cpu")
     args = p.parse_args(argv)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     shutil.rmtree(args.run, ignore_errors=True)
     info = machine_info()
-    cfg = RLConfig(task=args.task, out=args.run, steps=args.max_steps, sft_steps=args.sft_steps,
-                   eval_tasks=args.eval_tasks, eval_every=10, save_every=10**6, progress=False)  # fmt: skip
+    cfg = RLConfig(task=args.task, out=args.run, steps=args.max_steps, init=args.init,
+                   copy_steps=0 if args.init else args.copy_steps, sft_steps=0 if args.init else args.sft_steps,
+                   sft_guess_share=args.guess_share, lr=args.lr, groups_per_step=args.groups_per_step,
+                   group_size=args.group_size, seed=args.seed, eval_tasks=args.eval_tasks,
+                   eval_every=args.eval_every, save_every=10**6, progress=False)  # fmt: skip
     trainer = RLTrainer(cfg)
     t0 = time.perf_counter()
     trainer.warm_start()
     sft_s = time.perf_counter() - t0
+    if args.init:  # the warm start ran in the init's run: its time from that run's sft.jsonl
+        sft_s = warm_start_seconds(args.init)
+    else:
+        trainer.save()  # the warm start (step 0): `--init RUN` starts another RL run from it
     start = trainer._write({"step": 0, **trainer.evaluate()})["eval_success"]
     rows, t0 = [], time.perf_counter()
     while trainer.step < cfg.steps and time.perf_counter() - t0 < args.rl_minutes * 60:
@@ -123,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
          "met": True},
     ]  # fmt: skip
     result = {
-        "machine": info, "config": json.loads(cfg.to_json()), "sft_steps": args.sft_steps, "sft_s": sft_s,
+        "machine": info, "config": json.loads(cfg.to_json()), "copy_steps": args.copy_steps,
+        "sft_steps": args.sft_steps, "sft_s": sft_s,
         "rl_s": rl_s, "rl_steps": trainer.step, "success_start": start, "success_end": final, "success_gain": gain,
         "logprob_gap_replay": gap_replay, "logprob_gap_natural": gap_natural, "logprob_gap_max": gap_max,
         "prefix_caching": caching, "rollout_tokens_per_s": mean("rollout_tokens_per_s"),
@@ -135,9 +163,12 @@ def main(argv: list[str] | None = None) -> int:
            f"{info['load_before']}."), "",
           *targets_table(targets, "issue 14"), "",
           "## Run", "",
-          f"- policy: fresh `tiny` ({args.task}), SFT warm start {args.sft_steps} steps in {sft_s:.0f} s;",
+          (f"- policy: fresh `tiny` ({args.task}); warm start: {args.copy_steps} copy pre-training steps, then "
+           f"{args.sft_steps} SFT steps with a guess share of {args.guess_share}, {sft_s:.0f} s in all"
+           + (f" (run earlier; RL started from its checkpoint `{args.init}`)" if args.init else "") + ";"),
           (f"- RL: {trainer.step} steps in {rl_s:.0f} s ({mean('step_s'):.1f} s/step), {cfg.groups_per_step} groups x "
-           f"{cfg.group_size} samples, {cfg.loss} ({cfg.eps_low}/{cfg.eps_high}), {cfg.correction}, routing replay;"),
+           f"{cfg.group_size} samples, lr {cfg.lr:g}, {cfg.loss} ({cfg.eps_low}/{cfg.eps_high}), {cfg.correction}, "
+           "routing replay;"),
           (f"- held-out success (greedy, {args.eval_tasks} test tasks per family): start {start}, end {final}, "
            f"gain {gain};"),
           f"- prefix caching on files episodes: {json.dumps(caching)};",

@@ -1,6 +1,6 @@
 """Tiny process-agnostic helpers shared by every openk3 package: dtype names, relative error, the fp32 exp limit,
 the checks every reader and writer of a checkpoint folder uses (`file_inside`, `read_json`, `open_permissions`), and
-the one CPU thread-count default of every `k3` command (`pick_threads`, `set_threads`).
+the one CPU thread-count default of every `k3` command (`pick_threads`, `set_threads`), and `release_freed_memory`.
 
 Only the standard library and torch may be imported here (see STYLE.md §2).
 """
@@ -8,6 +8,7 @@ Only the standard library and torch may be imported here (see STYLE.md §2).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import json
 import os
@@ -91,6 +92,20 @@ def read_json(file: str) -> Any:
         raise ValueError(f"{file}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from err
     except UnicodeDecodeError as err:
         raise ValueError(f"{file}: not UTF-8 text (byte {err.start})") from err
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's `malloc_trim`; a no-op elsewhere).
+
+    A loop whose steps allocate many large tensors of varying sizes (an RL update over variable-length rollouts)
+    fragments glibc's heap: freed blocks stay mapped, and the process's RSS grows step after step although live
+    memory does not (measured: 13 GB RSS after an RL step whose live memory was 0.7 GB). Calling this between steps
+    keeps RSS at the live size.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def physical_cores() -> int:

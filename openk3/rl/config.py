@@ -18,6 +18,7 @@ from openk3.train.config import flag
 LOSS_KINDS = ("ppo", "cispo", "k15", "reinforce")
 CORRECTIONS = ("none", "tis", "icepop")
 AVERAGES = ("token", "sequence")
+FRESH_COPY_STEPS = 400  # the copy phase change came at 200-280 steps in our runs (sft.py); with margin
 
 
 @dataclass
@@ -31,12 +32,18 @@ class RLConfig:
     init: str | None = flag(None, "start from this checkpoint (folder or run) instead of a fresh tiny model; it must "
                             "speak XTML")  # fmt: skip
     preset: str = flag("tiny", "model preset of a fresh policy", choices=TEXT_PRESETS)
+    copy_steps: int | None = flag(None, "copy pre-training steps before SFT (short spans of the tasks' text, each "
+                                  "repeated: teaches a fresh tiny policy to copy, which SFT on whole episodes is slow "
+                                  "to); default: 400 for a fresh policy with --sft-steps, else 0")  # fmt: skip
     sft_steps: int = flag(0, "SFT warm-start steps on generated demonstrations before RL")
     sft_batch_size: int = flag(16, "demonstrations per SFT step")
     sft_lr: float = flag(2e-3, "SFT learning rate")
+    sft_guess_share: float = flag(0.0, "share of SFT demonstrations replaced by tool-free guesses (an answer given "
+                                  "without looking), so the warm start calls its tools only part of the time")  # fmt: skip
     groups_per_step: int = flag(8, "tasks per RL step (round-robin over the families)")
     group_size: int = flag(8, "samples per task (the GRPO group)")
-    lr: float = flag(2e-4, "RL learning rate (AdamW)")
+    lr: float = flag(1e-4, "RL learning rate (AdamW); 3e-4 made the tiny policy drift to repeated tool calls "
+                     "(benchmarks/results/rl-cpu.md)")  # fmt: skip
     weight_decay: float = flag(0.0, "AdamW weight decay on matrices")
     grad_clip: float = flag(1.0, "global gradient-norm clip")
     loss: str = flag("ppo", "policy loss: ppo (asymmetric clip), cispo, k15 (Kimi k1.5 mirror descent), reinforce",
@@ -45,6 +52,8 @@ class RLConfig:
     eps_high: float = flag(0.28, "PPO clip above")
     average: str = flag("token", "loss averaging: token (over all tokens) or sequence", choices=AVERAGES)
     correction: str = flag("icepop", "off-policy correction between trainer and rollout log-probs", choices=CORRECTIONS)
+    micro_batch_tokens: int = flag(4096, "tokens per forward/backward of an update (gradients accumulate to the "
+                                   "same update; bounds the trainer's peak memory)")  # fmt: skip
     kl_coef: float = flag(0.0, "KL to the reference (the policy at the start of RL); 0 disables")
     normalize_std: bool = flag(False, "divide group advantages by the group's reward std")
     routing_replay: bool = flag(True, "train with the rollout's routed experts (R3); --no-routing-replay recomputes "
@@ -66,6 +75,8 @@ class RLConfig:
     threads: int | None = flag(None, "torch CPU threads per process", launch=True)
 
     def __post_init__(self) -> None:
+        if self.copy_steps is None:
+            self.copy_steps = FRESH_COPY_STEPS if self.init is None and self.sft_steps > 0 else 0
         self.validate()
 
     @property
@@ -79,15 +90,17 @@ class RLConfig:
         if not self.families or unknown:
             raise ValueError(f"--task: unknown task family {unknown or self.task!r}; choose from {sorted(FAMILIES)}")
         positive = ("steps", "groups_per_step", "group_size", "max_turns", "max_tokens", "max_tokens_per_turn",
-                    "eval_every", "eval_tasks", "save_every", "sft_batch_size")  # fmt: skip
+                    "eval_every", "eval_tasks", "save_every", "sft_batch_size", "micro_batch_tokens")  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("sft_steps", "max_off_policy_steps", "kl_coef", "weight_decay"):
+        for name in ("copy_steps", "sft_steps", "max_off_policy_steps", "kl_coef", "weight_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0 or self.sft_lr <= 0:
             raise ValueError("--lr and --sft-lr must be positive")
+        if not 0 <= self.sft_guess_share <= 1:
+            raise ValueError(f"--sft-guess-share must be in [0, 1], got {self.sft_guess_share}")
         if not 0 < self.partial_rollout_fraction <= 1:
             raise ValueError(f"--partial-rollout-fraction must be in (0, 1], got {self.partial_rollout_fraction}")
         if self.partial_rollout_fraction < 1 and self.max_off_policy_steps < 1:

@@ -44,7 +44,7 @@ from openk3.rl.envs import get_family
 from openk3.rl.logprobs import sequence_logprobs
 from openk3.rl.losses import LossConfig, group_advantages, policy_loss
 from openk3.rl.rollout import RolloutStats, RolloutWorker, Trajectory
-from openk3.rl.sft import DemoStream, fresh_policy, sft_loss
+from openk3.rl.sft import COPY_BATCH, CopyStream, DemoStream, fresh_policy, sft_loss
 from openk3.rl.weight_sync import Sync
 from openk3.serve.config import CheckpointPolicy, ServeConfig
 from openk3.serve.engine import LLMEngine
@@ -52,6 +52,7 @@ from openk3.train.balance import Balancer
 from openk3.train.checkpoint import build_model, latest_checkpoint, load_checkpoint, load_model, save_checkpoint
 from openk3.train.distributed import Layout
 from openk3.train.optim import param_groups
+from openk3.utils import release_freed_memory
 
 SUCCESS = 1.0  # a reward of 1 is a solved task
 
@@ -90,8 +91,9 @@ class RLTrainer:
         self.loss_config = LossConfig(kind=cfg.loss, eps_low=cfg.eps_low, eps_high=cfg.eps_high, average=cfg.average,
                                       correction=None if cfg.correction == "none" else cfg.correction,
                                       kl_coef=cfg.kl_coef)  # fmt: skip
-        self.step, self.version, self.sft_done = 0, 0, 0
-        self.demos = DemoStream(cfg.families, self.tokenizer, cfg.seed)
+        self.step, self.version, self.sft_done, self.copy_done = 0, 0, 0, 0
+        self.demos = DemoStream(cfg.families, self.tokenizer, cfg.seed, cfg.sft_guess_share)
+        self.copies = CopyStream(cfg.families, self.tokenizer, cfg.seed)
         self.task_counter = 0
         self.pending: list[Trajectory] = []  # unfinished (partial rollouts) or waiting for their group
         if ckpt is not None:
@@ -118,7 +120,7 @@ class RLTrainer:
     # ---- the run -----------------------------------------------------------------------------------------------
     def run(self) -> dict:
         cfg = self.cfg
-        if self.sft_done < cfg.sft_steps:
+        if self.copy_done < cfg.copy_steps or self.sft_done < cfg.sft_steps:
             self.warm_start()
         last: dict = {}
         if self.step == 0:
@@ -147,31 +149,45 @@ class RLTrainer:
 
     # ---- SFT warm start ----------------------------------------------------------------------------------------
     def warm_start(self) -> None:
+        """Copy pre-training (`copy_steps`, for a fresh policy: sft.CopyStream), then SFT on demonstrations
+        (`sft_steps`), one AdamW; each phase's progress is counted, so a resumed run skips what is done."""
         cfg = self.cfg
         optimizer = torch.optim.AdamW(param_groups(self.model, 0.0), lr=cfg.sft_lr, betas=(0.9, 0.95))
-        bar = _progress(cfg.sft_steps, self.sft_done, cfg.progress and self.sync.is_main, "sft")
         t0 = time.perf_counter()
-        while self.sft_done < cfg.sft_steps:
-            # Linear decay to a tenth: the last steps settle the policy RL starts from.
-            lr = cfg.sft_lr * (1 - 0.9 * self.sft_done / cfg.sft_steps)
+        # Constant rate for the copy phase: the induction phase change needs the full rate (sft.py).
+        self._supervised("copy", cfg.copy_steps, lambda: self.copies.batch(COPY_BATCH), optimizer, lambda f: 1.0)
+        # Linear decay to a tenth: the last steps settle the policy RL starts from.
+        self._supervised("sft", cfg.sft_steps, lambda: self.demos.batch(cfg.sft_batch_size), optimizer,
+                         lambda f: 1 - 0.9 * f)  # fmt: skip
+        release_freed_memory()
+        self._publish(force=True)
+        self.log(f"k3 rl: warm start: {cfg.copy_steps} copy + {cfg.sft_steps} SFT steps in "
+                 f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
+
+    def _supervised(self, phase: str, total: int, batch, optimizer, schedule) -> None:
+        """Steps of `phase` ("copy" or "sft") up to `total`: cross-entropy on each batch's masked tokens, the rate
+        `sft_lr * schedule(done / total)`; a line in sft.jsonl every 20 steps and at the end."""
+        cfg = self.cfg
+        attr = f"{phase}_done"
+        bar = _progress(total, getattr(self, attr), cfg.progress and self.sync.is_main, phase)
+        t0 = time.perf_counter()
+        while getattr(self, attr) < total:
             for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss, n = sft_loss(self.model, self.demos.batch(cfg.sft_batch_size))
+                group["lr"] = cfg.sft_lr * schedule(getattr(self, attr) / total)
+            loss, n = sft_loss(self.model, batch())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.sync.average_gradients(self.model)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
             optimizer.step()
-            self.sft_done += 1
+            done = getattr(self, attr) + 1
+            setattr(self, attr, done)
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}")
-            if self.sft_done % 20 == 0 or self.sft_done == cfg.sft_steps:
-                self._write({"sft_step": self.sft_done, "sft_loss": loss.item(), "sft_tokens": n,
+            if done % 20 == 0 or done == total:
+                self._write({f"{phase}_step": done, f"{phase}_loss": loss.item(), f"{phase}_tokens": n,
                              "elapsed_s": time.perf_counter() - t0}, metrics_file="sft.jsonl")  # fmt: skip
         bar.close()
-        self._publish(force=True)
-        self.log(f"k3 rl: SFT warm start: {cfg.sft_steps} steps in {time.perf_counter() - t0:.0f} s, last loss "
-                 f"{loss.item():.3f}")  # fmt: skip
 
     # ---- one RL step -------------------------------------------------------------------------------------------
     def _new_trajectories(self) -> list[Trajectory]:
@@ -203,6 +219,7 @@ class RLTrainer:
         self.version += 1
         self._publish()
         t_total = time.perf_counter() - t_step
+        release_freed_memory()  # the step's variable-size tensors fragment the heap (utils.release_freed_memory)
         all_stats = self.sync.gather_stats(stats)
         if not self.sync.is_main:
             return {}
@@ -228,7 +245,12 @@ class RLTrainer:
         return ready, waiting, dropped
 
     def update(self, trajs: list[Trajectory]) -> dict:
-        """One optimizer step on `trajs` (complete groups); returns the loss metrics."""
+        """One optimizer step on `trajs` (complete groups); returns the loss metrics.
+
+        The forward/backward runs in micro-batches of whole trajectories, `micro_batch_tokens` each, with the loss
+        divided by the whole batch's totals (`policy_loss(normalizers=...)`), so the accumulated gradient is the
+        one-forward gradient while peak memory stays bounded by the micro-batch.
+        """
         cfg = self.cfg
         # A trajectory that never generated (an engine error before its first token) has nothing to train on.
         trajs = [t for t in trajs if t.num_generated and t.routed_experts is not None]
@@ -237,40 +259,59 @@ class RLTrainer:
         rewards_S = torch.tensor([t.reward for t in trajs])
         groups_S = torch.tensor([t.group for t in trajs])
         adv_S = group_advantages(rewards_S, groups_S, normalize_std=cfg.normalize_std)
-        seqs = [t.tokens for t in trajs]
-        routes = [t.routed_experts for t in trajs] if cfg.routing_replay else None
-        logps = sequence_logprobs(self.model, seqs, routes)
-        logp_T = torch.cat(logps)
         # Per token t >= 1 of each sequence (logps[i][t-1] scores token t).
-        mask_T = torch.tensor([g for t in trajs for g in t.generated[1:]], dtype=torch.bool)
-        rollout_T = torch.tensor([lp for t in trajs for lp in t.logprobs[1:]], dtype=torch.float32)
-        version_T = torch.tensor([v for t in trajs for v in t.versions[1:]])
-        seq_T = torch.cat([torch.full((len(t.tokens) - 1,), i) for i, t in enumerate(trajs)])
-        adv_T = adv_S[seq_T]
-        ref_T = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_T = torch.cat(sequence_logprobs(self.reference, seqs, routes))
-        old_T = logp_T.detach()
-        loss, metrics = policy_loss(logp_T, old_T, adv_T, mask_T, seq_T, self.loss_config, rollout_logp_T=rollout_T,
-                                    ref_logp_T=ref_T)  # fmt: skip
+        masks = [torch.tensor(t.generated[1:], dtype=torch.bool) for t in trajs]
+        normalizers = (int(sum(m.sum() for m in masks)), sum(int(m.any()) for m in masks))
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+        chunks = micro_batches([len(t.tokens) for t in trajs], cfg.micro_batch_tokens)
+        for chunk in chunks:
+            batch = [trajs[i] for i in chunk]
+            seqs = [t.tokens for t in batch]
+            routes = [t.routed_experts for t in batch] if cfg.routing_replay else None
+            logp_T = torch.cat(sequence_logprobs(self.model, seqs, routes))
+            mask_T = torch.cat([masks[i] for i in chunk])
+            rollout_T = torch.tensor([lp for t in batch for lp in t.logprobs[1:]], dtype=torch.float32)
+            seq_T = torch.cat([torch.full((len(t.tokens) - 1,), j) for j, t in enumerate(batch)])
+            adv_T = adv_S[torch.tensor(chunk)][seq_T]
+            ref_T = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_T = torch.cat(sequence_logprobs(self.reference, seqs, routes))
+            loss, _ = policy_loss(logp_T, logp_T.detach(), adv_T, mask_T, seq_T, self.loss_config,
+                                  rollout_logp_T=rollout_T, ref_logp_T=ref_T, normalizers=normalizers)  # fmt: skip
+            loss.backward()
+            # The gap the other way, for the report, on the pre-update weights (the engine's copy).
+            with torch.no_grad():
+                other = None if cfg.routing_replay else [t.routed_experts for t in batch]
+                parts["other"].append(torch.cat(sequence_logprobs(self.engine.model, seqs, other)))
+            parts["logp"].append(logp_T.detach())
+            parts["rollout"].append(rollout_T)
+            parts["mask"].append(mask_T)
+            parts["seq"].append(seq_T + chunk[0])  # chunks are consecutive runs of trajectories
+            parts["version"].append(torch.tensor([v for t in batch for v in t.versions[1:]]))
+            parts["adv"].append(adv_T)
+            if ref_T is not None:
+                parts["ref"].append(ref_T)
+            del logp_T, loss
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
+        old_T, rollout_T, mask_T = (torch.cat(parts[k]) for k in ("logp", "rollout", "mask"))
+        version_T = torch.cat(parts["version"])
+        # The metrics (loss, clip and IcePop fractions, ...) over the whole batch at once, from the detached values.
+        _, metrics = policy_loss(old_T, old_T, torch.cat(parts["adv"]), mask_T, torch.cat(parts["seq"]),
+                                 self.loss_config, rollout_logp_T=rollout_T,
+                                 ref_logp_T=torch.cat(parts["ref"]) if parts["ref"] else None)  # fmt: skip
         # The gap on this version's tokens only: older segments differ by the update, not by arithmetic.
         current = mask_T & (version_T == self.version)
-        gaps = {"replay" if cfg.routing_replay else "natural": _gap(old_T, rollout_T, current)}
-        with torch.no_grad():  # the other way, for the report (the weights changed: use the pre-update copy)
-            other = None if cfg.routing_replay else [t.routed_experts for t in trajs]
-            if cfg.routing_replay or all(r is not None for r in other):
-                other_T = torch.cat(sequence_logprobs(self.engine.model, seqs, other))
-                gaps["natural" if cfg.routing_replay else "replay"] = _gap(other_T, rollout_T, current)
+        other_T = torch.cat(parts["other"])
+        ours, theirs = ("replay", "natural") if cfg.routing_replay else ("natural", "replay")
+        gaps = {ours: _gap(old_T, rollout_T, current), theirs: _gap(other_T, rollout_T, current)}
         staleness = (self.version - version_T[mask_T]).float()
         return {**metrics, "grad_norm": float(grad_norm), "trained_sequences": len(trajs),
-                "logprob_gap": gaps["replay" if cfg.routing_replay else "natural"],
-                "logprob_gap_replay": gaps.get("replay"), "logprob_gap_natural": gaps.get("natural"),
+                "micro_batches": len(chunks),
+                "logprob_gap": gaps[ours], "logprob_gap_replay": gaps["replay"], "logprob_gap_natural": gaps["natural"],
                 "logprob_gap_max": float((old_T - rollout_T)[current].abs().max()) if current.any() else 0.0,
                 "staleness": float(staleness.mean()) if staleness.numel() else 0.0,
                 "advantage_abs_mean": float(adv_S.abs().mean())}  # fmt: skip
@@ -339,8 +380,9 @@ class RLTrainer:
         rank 0 alone: it holds the trained weights, which every rank's copy equals."""
         if not self.sync.is_main:
             return None
-        state = {"version": self.version, "sft_done": self.sft_done, "task_counter": self.task_counter,
-                 "demos": self.demos.state_dict(), "nonfinite_total": 0, "tokens_seen": 0}  # fmt: skip
+        state = {"version": self.version, "sft_done": self.sft_done, "copy_done": self.copy_done,
+                 "task_counter": self.task_counter, "demos": self.demos.state_dict(),
+                 "copies": self.copies.state_dict(), "nonfinite_total": 0, "tokens_seen": 0}  # fmt: skip
         return save_checkpoint(self.cfg.out, self.step, self.model, self.optimizer, self.balancer.state_dict(), state,
                                tokenizer=self.tokenizer, keep=self.cfg.keep_checkpoints, layout=Layout.single())  # fmt: skip
 
@@ -363,6 +405,9 @@ class RLTrainer:
         self.step, self.version, self.sft_done = state["step"], state["version"], state["sft_done"]
         self.task_counter = state["task_counter"]
         self.demos.load_state_dict(state["demos"])
+        self.copy_done = state.get("copy_done", 0)  # runs saved before the copy phase existed have none
+        if "copies" in state:
+            self.copies.load_state_dict(state["copies"])
         _truncate_metrics(os.path.join(self.cfg.out, "metrics.jsonl"), self.step)
         self.log(f"k3 rl: resumed {self.cfg.out} at step {self.step} from {ckpt}")
 
@@ -370,6 +415,19 @@ class RLTrainer:
 def _task_index(seed: int, group: int) -> int:
     """The training task of group `group`: a fixed function of the seed, so ranks and resumes agree."""
     return random.Random(seed * 1_000_003 + group).randrange(2**31)
+
+
+def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive index runs of `lengths` whose sums stay within `max_tokens` (a longer sequence is alone)."""
+    out: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(lengths):
+        if not out or total + n > max_tokens:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += n
+    return out
 
 
 def _gap(a_T: torch.Tensor, b_T: torch.Tensor, mask_T: torch.Tensor) -> float:

@@ -99,6 +99,7 @@ def policy_loss(
     cfg: LossConfig,
     rollout_logp_T: Tensor | None = None,
     ref_logp_T: Tensor | None = None,
+    normalizers: tuple[int, int] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The scalar policy loss (fp32) and python-float metrics.
 
@@ -109,6 +110,10 @@ def policy_loss(
     over the sequences with at least one mask token. A mask token whose old log-prob is not finite defines no ratio and
     is dropped the same way. Metrics: loss, ratio_mean, clip_fraction (ppo/cispo), tis_weight_mean,
     icepop_masked_fraction, kl (when present), all over mask tokens.
+
+    `normalizers` = (mask tokens, sequences with a mask token) of a larger batch this one is a micro-batch of (whole
+    sequences only): the loss then divides by those totals instead of its own, so the micro-batches' losses sum to
+    the whole batch's loss and their gradients accumulate to its gradient. The metrics stay this call's own.
     """
     if cfg.correction is not None and rollout_logp_T is None:
         raise ValueError(f"LossConfig.correction={cfg.correction!r} needs rollout_logp_T")
@@ -116,6 +121,12 @@ def policy_loss(
     n_mask = mask_T.sum()
     n_mask_f = n_mask.clamp(min=1).float()
     num_seqs = int(seq_T.max()) + 1 if seq_T.numel() else 0
+    # What the loss divides by: this batch's mask tokens and sequences with a mask token, or a larger batch's.
+    if normalizers is None:
+        loss_tokens = n_mask_f
+        loss_seqs = (_seq_sum(mask_T.float(), seq_T, num_seqs) > 0).sum().clamp(min=1).float()
+    else:
+        loss_tokens, loss_seqs = (torch.tensor(float(max(n, 1))) for n in normalizers)
     old_T = old_logp_T.detach().float()
     keep_T = mask_T & torch.isfinite(old_T)
     metrics: dict[str, float] = {}
@@ -142,7 +153,7 @@ def policy_loss(
     metrics["ratio_mean"] = (torch.where(keep_T, ratio_T, 0.0).sum() / keep_T.sum().clamp(min=1)).item()
 
     if cfg.kind == "k15":
-        loss = _mirror_descent(live_logp_T, old_T, advantages_T, mask_T, seq_T, num_seqs, cfg.tau)
+        loss = _mirror_descent(live_logp_T, old_T, advantages_T, mask_T, seq_T, num_seqs, cfg.tau) / loss_seqs
     else:
         if cfg.kind == "ppo":
             clipped_ratio_T = ratio_T.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
@@ -161,18 +172,19 @@ def policy_loss(
         if weight_T is not None:
             loss_T = loss_T * weight_T
         if cfg.average == "token":
-            loss = loss_T.sum() / n_mask_f
+            loss = loss_T.sum() / loss_tokens
         else:
             count_S = _seq_sum(mask_T.float(), seq_T, num_seqs)
             per_seq_S = _seq_sum(loss_T, seq_T, num_seqs) / count_S.clamp(min=1)
-            loss = per_seq_S.sum() / (count_S > 0).sum().clamp(min=1)
+            loss = per_seq_S.sum() / loss_seqs
 
     if ref_logp_T is not None and cfg.kl_coef > 0:
         # k3 estimator of KL(pi || ref) over mask tokens (Schulman's "approximating KL"); unbiased and >= 0.
         diff_T = torch.where(mask_T, ref_logp_T.detach().float(), 0.0) - torch.where(mask_T, logp_T.float(), 0.0)
         diff_T = diff_T.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        kl = (torch.exp(diff_T) - diff_T - 1).sum() / n_mask_f
-        loss = loss + cfg.kl_coef * kl
+        kl_sum = (torch.exp(diff_T) - diff_T - 1).sum()
+        kl = kl_sum / n_mask_f
+        loss = loss + cfg.kl_coef * kl_sum / loss_tokens
         metrics["kl"] = kl.item()
     metrics["loss"] = loss.item()
     return loss, metrics
@@ -183,7 +195,8 @@ def _mirror_descent(
 ) -> Tensor:
     """Kimi k1.5 online mirror descent (arXiv 2501.12599, spec/rl.md §2): per sequence j, with S_j and S_old_j the sums
     of the kept tokens' log-probs, L_j = -(A_j S_j - tau/2 (S_j - S_old_j)^2), averaged over the sequences that have a
-    mask token. A_j is the advantage at the sequence's first mask token (it is a sequence-level quantity broadcast)."""
+    mask token (the caller divides the sum returned here by their count). A_j is the advantage at the sequence's first
+    mask token (it is a sequence-level quantity broadcast)."""
     sum_S = _seq_sum(logp_T, seq_T, num_seqs)
     old_sum_S = _seq_sum(old_T, seq_T, num_seqs)
     num_tokens = logp_T.numel()
@@ -194,5 +207,4 @@ def _mirror_descent(
     adv_pad_T = torch.cat([torch.where(mask_T, advantages_T.detach().float(), 0.0), logp_T.new_zeros(1)])
     adv_S = adv_pad_T[first_S]
     loss_S = -(adv_S * sum_S - 0.5 * tau * (sum_S - old_sum_S).square())
-    has_mask_S = _seq_sum(mask_T.float(), seq_T, num_seqs) > 0
-    return loss_S.sum() / has_mask_S.sum().clamp(min=1)
+    return loss_S.sum()

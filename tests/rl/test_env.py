@@ -79,6 +79,29 @@ def test_a_wrong_final_answer_scores_zero(fleet, snapshots, family):
         assert (result.reward, result.done, result.info["reason"]) == (0.0, True, "answer")
 
 
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_guesses_are_tool_free_answers_that_rarely_score(fleet, snapshots, family):
+    """A guess is one assistant answer with no tool call, of the answer's form; calculator and code-fix guesses never
+    score, files guesses only by chance (a small count)."""
+    import random
+
+    fam = get_family(family)
+    rewards = []
+    for index in range(6):
+        task = fam.generate("train", index)
+        guess = fam.guess(task, random.Random(index))
+        assert len(guess) == 1 and guess[0]["role"] == "assistant" and "tool_calls" not in guess[0]
+        assert guess[0]["content"].strip()
+        with ToolEnv(fleet, snapshots=snapshots) as env:
+            env.reset(task)
+            result = env.step(guess[0])
+            assert result.done and result.info["reason"] == "answer" and result.info["tool_calls"] == 0
+            rewards.append(result.reward)
+    if family != "files":
+        assert rewards == [0.0] * 6
+    assert sum(rewards) <= 2
+
+
 def _codefix_task():
     return get_family("code-fix").generate("train", 5)
 

@@ -45,13 +45,14 @@ def test_run_metrics_resume_and_plot(init_dir, tmp_path, fleet):
     from openk3.rl.plot import plot_rl_run
 
     out = str(tmp_path / "run")
-    trainer = RLTrainer(_config(init_dir, out, steps=2, stop_after=1, sft_steps=2), log=lambda *a: None, fleet=fleet)
+    warm = {"sft_steps": 2, "copy_steps": 2, "sft_guess_share": 0.5}
+    trainer = RLTrainer(_config(init_dir, out, steps=2, stop_after=1, **warm), log=lambda *a: None, fleet=fleet)
     trainer.run()
     trainer.close()
     with pytest.raises(FileExistsError, match="--resume"):
         RLTrainer(_config(init_dir, out, steps=2), fleet=fleet)
-    trainer = RLTrainer(_config(init_dir, out, steps=2, resume=True, sft_steps=2), log=lambda *a: None, fleet=fleet)
-    assert trainer.step == 1 and trainer.version == 1 and trainer.sft_done == 2
+    trainer = RLTrainer(_config(init_dir, out, steps=2, resume=True, **warm), log=lambda *a: None, fleet=fleet)
+    assert trainer.step == 1 and trainer.version == 1 and trainer.sft_done == 2 and trainer.copy_done == 2
     trainer.run()
     trainer.close()
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -62,7 +63,10 @@ def test_run_metrics_resume_and_plot(init_dir, tmp_path, fleet):
         assert all(k in row for k in REQUIRED), sorted(row)
         assert row["routing_replay"] is True and row["logprob_gap"] <= 1e-5
         assert set(row["success"]) == {"calculator"}
-    assert os.path.exists(os.path.join(out, "sft.jsonl"))
+    with open(os.path.join(out, "sft.jsonl")) as f:
+        warm_rows = [json.loads(line) for line in f]
+    # Copy pre-training, then SFT, each done once (the resumed run did not repeat them).
+    assert [("copy_step" in r, "sft_step" in r) for r in warm_rows] == [(True, False), (False, True)]
     written = plot_rl_run(out)
     assert {os.path.basename(p) for p in written} == {"reward.png", "logprob_gap.png"}
 
@@ -92,6 +96,38 @@ def _rank(rank: int, world: int, init_dir: str, out: str):
         }
         trainer.close()
     return out_state
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_micro_batched_update_is_the_one_forward_update(init_dir, tmp_path, fleet, replay):
+    """The update in micro-batches of a few trajectories accumulates the gradient of one forward over all of them
+    (the same trajectories, the same starting weights), and reports the same metrics."""
+    from openk3.rl.loop import RLTrainer
+
+    kw = {"groups_per_step": 2, "group_size": 3, "routing_replay": replay}
+    whole = RLTrainer(_config(init_dir, str(tmp_path / "whole"), micro_batch_tokens=10**6, **kw), log=lambda *a: None,
+                      fleet=fleet)  # fmt: skip
+    trajs = whole._new_trajectories()
+    whole.worker.run(trajs, whole.version)
+    # Rewards of a random policy are all 0; give the groups a spread so the advantages (and gradients) are not 0.
+    for i, t in enumerate(trajs):
+        t.reward = float(i % 2)
+    micro = RLTrainer(_config(init_dir, str(tmp_path / "micro"), micro_batch_tokens=1, **kw), log=lambda *a: None,
+                      fleet=fleet)  # fmt: skip
+    m_whole, m_micro = whole.update(trajs), micro.update(trajs)
+    assert m_whole["micro_batches"] == 1 and m_micro["micro_batches"] == len(trajs)
+    for key in ("loss", "ratio_mean", "clip_fraction", "grad_norm"):
+        assert m_micro[key] == pytest.approx(m_whole[key], rel=1e-4, abs=1e-9), key
+    for key in ("logprob_gap_replay", "logprob_gap_natural"):  # rounding-level values; the packing changes rounding
+        assert m_micro[key] == pytest.approx(m_whole[key], abs=1e-6), key
+    assert m_whole["grad_norm"] > 0
+    grads = dict(micro.model.named_parameters())
+    for name, p in whole.model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-7, msg=name)
+    whole.worker.close(trajs)
+    whole.close()
+    micro.close()
 
 
 def test_two_ranks_make_the_one_process_update(init_dir, tmp_path, fleet):

@@ -237,3 +237,35 @@ def test_config_refuses_tis_for_k15_and_missing_rollout_logp():
         LossConfig(kind="k15", correction="tis")
     with pytest.raises(ValueError, match="rollout_logp_T"):
         _grad(LossConfig(correction="icepop"), torch.zeros(3), torch.zeros(3), torch.ones(3))
+
+
+@pytest.mark.parametrize("kind", ["ppo", "cispo", "k15", "reinforce"])
+@pytest.mark.parametrize("average", ["token", "sequence"])
+def test_micro_batches_with_normalizers_sum_to_the_whole_batch(kind, average):
+    """Split by whole sequences, with the whole batch's totals as normalizers: the losses and gradients add up to the
+    one-call loss and gradient (KL included; one sequence has no mask token, one token is IcePop-dropped)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [4, 3, 5, 2]
+    seq = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    T = len(seq)
+    logp = -torch.rand(T, generator=g) * 3
+    old = logp + 0.3 * torch.randn(T, generator=g)
+    rollout = old.clone()
+    rollout[2] = old[2] - 5.0  # outside the IcePop band
+    ref = logp + 0.2 * torch.randn(T, generator=g)
+    adv = torch.randn(len(lengths), generator=g)[seq]
+    mask = torch.rand(T, generator=g) > 0.2
+    mask[seq == 3] = False  # a sequence with nothing to train
+    cfg = LossConfig(kind=kind, average=average, correction="icepop" if kind != "reinforce" else None, kl_coef=0.1)
+    whole, grad_whole, _ = _grad(cfg, logp, old, adv, mask, seq, rollout, ref)
+    normalizers = (int(mask.sum()), sum(int(mask[seq == i].any()) for i in range(len(lengths))))
+    leaf = logp.clone().requires_grad_(True)
+    total = 0.0
+    for ids in ([0, 1], [2, 3]):
+        sel = torch.isin(seq, torch.tensor(ids))
+        loss, _ = policy_loss(leaf[sel], old[sel], adv[sel], mask[sel], seq[sel] - ids[0], cfg,
+                              rollout_logp_T=rollout[sel], ref_logp_T=ref[sel], normalizers=normalizers)  # fmt: skip
+        loss.backward()
+        total = total + loss.detach()
+    _close(total, whole)
+    _close(leaf.grad, grad_whole)

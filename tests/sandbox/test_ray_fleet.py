@@ -33,6 +33,11 @@ def cluster():
 
     t0 = time.monotonic()
     temp_dir = tempfile.mkdtemp(prefix="k3ray")  # short: Ray's Unix sockets live under it
+    # Ray (2.60) also writes the cluster's address to <RAY_TMPDIR or /tmp>/ray/ray_current_cluster whatever temp_dir
+    # says, and fails where that folder does not exist: point it into our temp_dir too.
+    saved_tmpdir = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp_dir
+    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1},
                                                       "include_dashboard": False, "node_ip_address": "127.0.0.1",
                                                       "temp_dir": temp_dir})  # fmt: skip
@@ -49,6 +54,10 @@ def cluster():
     finally:
         ray.shutdown()
         c.shutdown()
+        if saved_tmpdir is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved_tmpdir
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -48,6 +48,11 @@ class TaskFamily(Protocol):
         """The messages after the prompt of a correct episode: assistant turns with tool calls (content ""), the tool
         messages ToolEnv returns for them, then the final assistant answer."""
 
+    def guess(self, task: Task, rng: random.Random) -> list[dict]:
+        """The messages after the prompt of a tool-free episode: one assistant answer given without looking, plausible
+        in form but unchecked (right only by chance). The SFT warm start can mix these in (`--sft-guess-share`) to
+        model a cold-start policy that does not always use its tools."""
+
 
 def split_of(family: str, prompt: str, files: dict[str, str]) -> str:
     """The split a task's content belongs to."""

@@ -3,7 +3,8 @@
 A handful of templates, each a sentence with random names, objects and 2-4 digit numbers and one fixed expression
 shape (`a*b+c`, `a*b-c`, `a*b*c`, `a*b+c*d`). The demonstration copies the numbers into one call,
 `python(code="print(a*b+c)")`, whose observation is the number, and answers with exactly that number. Reward: exact
-match of the stripped final content with the answer (envs.exact_match).
+match of the stripped final content with the answer (envs.exact_match). A guess (no tool) answers the result
+rounded to two significant digits: the right magnitude, almost never the right number.
 """
 
 from __future__ import annotations
@@ -57,3 +58,8 @@ class Calculator:
         code = f"print({task.meta['expression']})"
         return [assistant("", call("call_0", "python", code=code)), tool_message("call_0", "python", task.answer),
                 assistant(task.answer)]  # fmt: skip
+
+    def guess(self, task: Task, rng: random.Random) -> list[dict]:
+        value = int(task.answer)
+        digits = len(str(abs(value)))
+        return [assistant(str(round(value, 2 - digits) if digits > 2 else value + rng.choice((-1, 1))))]

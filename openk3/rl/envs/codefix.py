@@ -7,7 +7,7 @@ expected to find it by reading every body); the function's name says what it sho
 fail at least one case, computed by running the correct and the buggy bodies on the host (our own code).
 
 Demonstration: cat(mod.py); replace(mod.py, "return <buggy>", "return <correct>") and run_tests() in one message;
-the answer "done".
+the answer "done". A guess (no tool) answers "done" without touching the module.
 
 Reward (`verify`, in the episode's sandbox): 1 iff test_mod.py is byte-identical to the original AND its cases all
 pass, run in a fresh interpreter that reads a random nonce before importing the tests and prints it with the number
@@ -168,3 +168,6 @@ class CodeFix:
             tool_message("call_2", "run_tests", summary(task.meta["num_cases"])),
             assistant("done"),
         ]
+
+    def guess(self, task: Task, rng: random.Random) -> list[dict]:
+        return [assistant("done")]

@@ -11,7 +11,8 @@ demonstration:
             under conf/."                                           answer: v
 
 `value` uses cat rather than a one-line grep so that every tool appears in the demonstrations; all three copy the
-answer from the observation. Reward: exact match of the stripped final content (envs.exact_match).
+answer from the observation. Reward: exact match of the stripped final content (envs.exact_match). A guess (no
+tool) answers a value of the right kind drawn at random: a small count, or a config value from the vocabulary.
 """
 
 from __future__ import annotations
@@ -112,3 +113,6 @@ class Files:
             c, observation = call("call_0", "grep", pattern=key, path="conf"), f"{path}:{key} = {task.answer}"
         name = c["function"]["name"]
         return [assistant("", c), tool_message("call_0", name, observation), assistant(task.answer)]
+
+    def guess(self, task: Task, rng: random.Random) -> list[dict]:
+        return [assistant(str(rng.randint(1, 5)) if task.meta["kind"] == "count" else _value(rng))]

@@ -23,7 +23,6 @@ Shapes: B batch, T tokens, H heads, K key dim, V value dim, C tile rows.
 """
 
 import argparse
-import ctypes
 import importlib.util
 import math
 import os
@@ -38,7 +37,7 @@ from report import dtype_name, load_info, machine_info, measure_matmul, targets_
 
 from openk3.ops.kda import kda_chunked, kda_gate, kda_recurrent
 from openk3.ops.kda.chunk_bf16 import kda_chunked_bf16
-from openk3.utils import rel_rms, to_dtype
+from openk3.utils import rel_rms, release_freed_memory, to_dtype
 
 PATHS = ["recurrent", "chunked", "logspace", "fla_naive", "sdpa"]
 MODES = ["fwd", "fwd+bwd"]
@@ -218,10 +217,7 @@ def time_cell(fn, budget_s: float = 3.0) -> dict:
 
 def _reset_peak_rss() -> int | None:
     """Returns freed heap pages to the OS (so the baseline is live memory) and resets the kernel's peak RSS."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    release_freed_memory()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

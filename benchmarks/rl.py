@@ -61,14 +61,16 @@ def prefix_cache_ratio(trainer: RLTrainer, episodes: int = 16) -> dict:
     return out
 
 
-def warm_start_seconds(run: str) -> float:
-    """The copy and SFT phases' wall time, from a run's sft.jsonl (each phase's last line)."""
+def warm_start_of(run: str) -> tuple[float, dict]:
+    """An earlier run's warm start: the copy and SFT phases' wall time (each phase's last line in sft.jsonl) and its
+    settings (copy_steps, sft_steps, sft_guess_share from rl_config.json)."""
     last: dict[str, float] = {}
     with open(os.path.join(run, "sft.jsonl"), encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
             last["copy" if "copy_step" in row else "sft"] = row["elapsed_s"]
-    return sum(last.values())
+    settings = RLConfig.from_file(os.path.join(run, "rl_config.json"))
+    return sum(last.values()), {k: getattr(settings, k) for k in ("copy_steps", "sft_steps", "sft_guess_share")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups-per-step", type=int, default=RLConfig.groups_per_step)
     p.add_argument("--group-size", type=int, default=RLConfig.group_size)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--init", default=None, help="start RL from this warm-started checkpoint (skips copy and SFT)")
+    p.add_argument("--init", default=None, help="start RL from this earlier run's warm start (skips copy and SFT; "
+                   "its steps and guess share are reported)")
     p.add_argument("--run", default="runs/bench-rl", help="the run folder (replaced)")
     p.add_argument("--out", default="benchmarks/results/rl-cpu")
     args = p.parse_args(argv)
@@ -94,16 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     cfg = RLConfig(task=args.task, out=args.run, steps=args.max_steps, init=args.init,
                    copy_steps=0 if args.init else args.copy_steps, sft_steps=0 if args.init else args.sft_steps,
-                   sft_guess_share=args.guess_share, lr=args.lr, groups_per_step=args.groups_per_step,
-                   group_size=args.group_size, seed=args.seed, eval_tasks=args.eval_tasks,
+                   sft_guess_share=0.0 if args.init else args.guess_share, lr=args.lr,
+                   groups_per_step=args.groups_per_step, group_size=args.group_size, seed=args.seed, eval_tasks=args.eval_tasks,
                    eval_every=args.eval_every, save_every=10**6, progress=False)  # fmt: skip
     trainer = RLTrainer(cfg)
-    t0 = time.perf_counter()
-    trainer.warm_start()
-    sft_s = time.perf_counter() - t0
-    if args.init:  # the warm start ran in the init's run: its time from that run's sft.jsonl
-        sft_s = warm_start_seconds(args.init)
+    if args.init:  # the warm start ran in the init's run: its time and settings from that run's files
+        sft_s, warm = warm_start_of(args.init)
+        args.copy_steps, args.sft_steps, args.guess_share = (warm[k] for k in ("copy_steps", "sft_steps", "sft_guess_share"))
     else:
+        t0 = time.perf_counter()
+        trainer.warm_start()
+        sft_s = time.perf_counter() - t0
         trainer.save()  # the warm start (step 0): `--init RUN` starts another RL run from it
     start = trainer._write({"step": 0, **trainer.evaluate()})["eval_success"]
     rows, t0 = [], time.perf_counter()

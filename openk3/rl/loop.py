@@ -155,39 +155,40 @@ class RLTrainer:
         optimizer = torch.optim.AdamW(param_groups(self.model, 0.0), lr=cfg.sft_lr, betas=(0.9, 0.95))
         t0 = time.perf_counter()
         # Constant rate for the copy phase: the induction phase change needs the full rate (sft.py).
-        self._supervised("copy", cfg.copy_steps, lambda: self.copies.batch(COPY_BATCH), optimizer, lambda f: 1.0)
+        self.copy_done = self._supervised("copy", self.copy_done, cfg.copy_steps, lambda: self.copies.batch(COPY_BATCH),
+                                          optimizer, lambda f: 1.0)  # fmt: skip
         # Linear decay to a tenth: the last steps settle the policy RL starts from.
-        self._supervised("sft", cfg.sft_steps, lambda: self.demos.batch(cfg.sft_batch_size), optimizer,
-                         lambda f: 1 - 0.9 * f)  # fmt: skip
+        self.sft_done = self._supervised("sft", self.sft_done, cfg.sft_steps,
+                                         lambda: self.demos.batch(cfg.sft_batch_size), optimizer, lambda f: 1 - 0.9 * f)  # fmt: skip
         release_freed_memory()
         self._publish(force=True)
         self.log(f"k3 rl: warm start: {cfg.copy_steps} copy + {cfg.sft_steps} SFT steps in "
                  f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
 
-    def _supervised(self, phase: str, total: int, batch, optimizer, schedule) -> None:
-        """Steps of `phase` ("copy" or "sft") up to `total`: cross-entropy on each batch's masked tokens, the rate
-        `sft_lr * schedule(done / total)`; a line in sft.jsonl every 20 steps and at the end."""
+    def _supervised(self, phase: str, done: int, total: int, batch, optimizer, schedule) -> int:
+        """Steps of `phase` ("copy" or "sft") from `done` up to `total`: cross-entropy on each batch's masked tokens,
+        the rate `sft_lr * schedule(done / total)`; a line in sft.jsonl every 20 steps and at the end. Returns the
+        steps done."""
         cfg = self.cfg
-        attr = f"{phase}_done"
-        bar = _progress(total, getattr(self, attr), cfg.progress and self.sync.is_main, phase)
+        bar = _progress(total, done, cfg.progress and self.sync.is_main, phase)
         t0 = time.perf_counter()
-        while getattr(self, attr) < total:
+        while done < total:
             for group in optimizer.param_groups:
-                group["lr"] = cfg.sft_lr * schedule(getattr(self, attr) / total)
+                group["lr"] = cfg.sft_lr * schedule(done / total)
             loss, n = sft_loss(self.model, batch())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.sync.average_gradients(self.model)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
             optimizer.step()
-            done = getattr(self, attr) + 1
-            setattr(self, attr, done)
+            done += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}")
             if done % 20 == 0 or done == total:
                 self._write({f"{phase}_step": done, f"{phase}_loss": loss.item(), f"{phase}_tokens": n,
                              "elapsed_s": time.perf_counter() - t0}, metrics_file="sft.jsonl")  # fmt: skip
         bar.close()
+        return done
 
     # ---- one RL step -------------------------------------------------------------------------------------------
     def _new_trajectories(self) -> list[Trajectory]:
@@ -260,52 +261,49 @@ class RLTrainer:
         groups_S = torch.tensor([t.group for t in trajs])
         adv_S = group_advantages(rewards_S, groups_S, normalize_std=cfg.normalize_std)
         # Per token t >= 1 of each sequence (logps[i][t-1] scores token t).
-        masks = [torch.tensor(t.generated[1:], dtype=torch.bool) for t in trajs]
-        normalizers = (int(sum(m.sum() for m in masks)), sum(int(m.any()) for m in masks))
+        mask_T = torch.tensor([g for t in trajs for g in t.generated[1:]], dtype=torch.bool)
+        rollout_T = torch.tensor([lp for t in trajs for lp in t.logprobs[1:]], dtype=torch.float32)
+        version_T = torch.tensor([v for t in trajs for v in t.versions[1:]])
+        seq_T = torch.cat([torch.full((len(t.tokens) - 1,), i) for i, t in enumerate(trajs)])
+        adv_T = adv_S[seq_T]
+        normalizers = (int(mask_T.sum()), sum(any(t.generated[1:]) for t in trajs))
+        offsets = [0]  # trajectory i's tokens are [offsets[i], offsets[i + 1]) of the packed tensors
+        for t in trajs:
+            offsets.append(offsets[-1] + len(t.tokens) - 1)
         self.optimizer.zero_grad(set_to_none=True)
-        parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+        logps, others, refs = [], [], []
         chunks = micro_batches([len(t.tokens) for t in trajs], cfg.micro_batch_tokens)
         for chunk in chunks:
             batch = [trajs[i] for i in chunk]
+            lo, hi = offsets[chunk[0]], offsets[chunk[-1] + 1]  # chunks are consecutive runs of trajectories
             seqs = [t.tokens for t in batch]
             routes = [t.routed_experts for t in batch] if cfg.routing_replay else None
             logp_T = torch.cat(sequence_logprobs(self.model, seqs, routes))
-            mask_T = torch.cat([masks[i] for i in chunk])
-            rollout_T = torch.tensor([lp for t in batch for lp in t.logprobs[1:]], dtype=torch.float32)
-            seq_T = torch.cat([torch.full((len(t.tokens) - 1,), j) for j, t in enumerate(batch)])
-            adv_T = adv_S[torch.tensor(chunk)][seq_T]
             ref_T = None
             if self.reference is not None:
                 with torch.no_grad():
                     ref_T = torch.cat(sequence_logprobs(self.reference, seqs, routes))
-            loss, _ = policy_loss(logp_T, logp_T.detach(), adv_T, mask_T, seq_T, self.loss_config,
-                                  rollout_logp_T=rollout_T, ref_logp_T=ref_T, normalizers=normalizers)  # fmt: skip
+                refs.append(ref_T)
+            loss, _ = policy_loss(logp_T, logp_T.detach(), adv_T[lo:hi], mask_T[lo:hi], seq_T[lo:hi] - chunk[0],
+                                  self.loss_config, rollout_logp_T=rollout_T[lo:hi], ref_logp_T=ref_T,
+                                  normalizers=normalizers)  # fmt: skip
             loss.backward()
             # The gap the other way, for the report, on the pre-update weights (the engine's copy).
             with torch.no_grad():
                 other = None if cfg.routing_replay else [t.routed_experts for t in batch]
-                parts["other"].append(torch.cat(sequence_logprobs(self.engine.model, seqs, other)))
-            parts["logp"].append(logp_T.detach())
-            parts["rollout"].append(rollout_T)
-            parts["mask"].append(mask_T)
-            parts["seq"].append(seq_T + chunk[0])  # chunks are consecutive runs of trajectories
-            parts["version"].append(torch.tensor([v for t in batch for v in t.versions[1:]]))
-            parts["adv"].append(adv_T)
-            if ref_T is not None:
-                parts["ref"].append(ref_T)
+                others.append(torch.cat(sequence_logprobs(self.engine.model, seqs, other)))
+            logps.append(logp_T.detach())
             del logp_T, loss
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if torch.isfinite(grad_norm):
             self.optimizer.step()
-        old_T, rollout_T, mask_T = (torch.cat(parts[k]) for k in ("logp", "rollout", "mask"))
-        version_T = torch.cat(parts["version"])
+        old_T = torch.cat(logps)
         # The metrics (loss, clip and IcePop fractions, ...) over the whole batch at once, from the detached values.
-        _, metrics = policy_loss(old_T, old_T, torch.cat(parts["adv"]), mask_T, torch.cat(parts["seq"]),
-                                 self.loss_config, rollout_logp_T=rollout_T,
-                                 ref_logp_T=torch.cat(parts["ref"]) if parts["ref"] else None)  # fmt: skip
+        _, metrics = policy_loss(old_T, old_T, adv_T, mask_T, seq_T, self.loss_config, rollout_logp_T=rollout_T,
+                                 ref_logp_T=torch.cat(refs) if refs else None)  # fmt: skip
         # The gap on this version's tokens only: older segments differ by the update, not by arithmetic.
         current = mask_T & (version_T == self.version)
-        other_T = torch.cat(parts["other"])
+        other_T = torch.cat(others)
         ours, theirs = ("replay", "natural") if cfg.routing_replay else ("natural", "replay")
         gaps = {ours: _gap(old_T, rollout_T, current), theirs: _gap(other_T, rollout_T, current)}
         staleness = (self.version - version_T[mask_T]).float()

@@ -76,10 +76,18 @@ def fresh_policy(preset: str, families: list[str], seed: int):
 
 
 class _SeededStream:
-    """A stream of generated examples: a seeded RNG and a count drawn, which are its whole (resumable) state."""
+    """A stream of examples made from training-split tasks, round-robin over the families; a seeded RNG and the count
+    drawn are its whole (resumable) state."""
 
-    rng: random.Random
-    drawn: int
+    def __init__(self, families: list[str], tokenizer, seed: int):
+        self.families, self.tokenizer = families, tokenizer
+        self.rng = random.Random(seed)
+        self.drawn = 0
+
+    def _next_task(self) -> Task:
+        family = get_family(self.families[self.drawn % len(self.families)])
+        self.drawn += 1
+        return family.generate("train", self.rng.randrange(2**31))
 
     def state_dict(self) -> dict:
         return {"drawn": self.drawn, "rng": self.rng.getstate()}
@@ -100,9 +108,7 @@ class CopyStream(_SeededStream):
     mask on the second copy."""
 
     def __init__(self, families: list[str], tokenizer, seed: int):
-        self.families, self.tokenizer = families, tokenizer
-        self.rng = random.Random(seed ^ 0x5EED)
-        self.drawn = 0
+        super().__init__(families, tokenizer, seed ^ 0x5EED)
         self.sep = tokenizer.encode("\n")
 
     def _text(self, task: Task) -> str:
@@ -114,9 +120,7 @@ class CopyStream(_SeededStream):
     def batch(self, n: int) -> list[tuple[list[int], list[bool]]]:
         out = []
         for _ in range(n):
-            family = get_family(self.families[self.drawn % len(self.families)])
-            self.drawn += 1
-            ids = self.tokenizer.encode(self._text(family.generate("train", self.rng.randrange(2**31))))
+            ids = self.tokenizer.encode(self._text(self._next_task()))
             length = min(self.rng.randint(*COPY_SPAN), len(ids))
             start = self.rng.randrange(len(ids) - length + 1)
             span = ids[start : start + length]
@@ -131,16 +135,13 @@ class DemoStream(_SeededStream):
     def __init__(self, families: list[str], tokenizer, seed: int, guess_share: float = 0.0):
         if not 0 <= guess_share <= 1:
             raise ValueError(f"guess_share must be in [0, 1], got {guess_share}")
-        self.families, self.tokenizer, self.guess_share = families, tokenizer, guess_share
-        self.rng = random.Random(seed)
-        self.drawn = 0
+        super().__init__(families, tokenizer, seed)
+        self.guess_share = guess_share
 
     def batch(self, n: int) -> list[tuple[list[int], list[bool]]]:
         out = []
         for _ in range(n):
-            family = get_family(self.families[self.drawn % len(self.families)])
-            self.drawn += 1
-            task = family.generate("train", self.rng.randrange(2**31))
+            task = self._next_task()
             guess = self.guess_share > 0 and self.rng.random() < self.guess_share
             out.append(demonstration_ids(task, self.tokenizer, self.rng if guess else None))
         return out

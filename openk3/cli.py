@@ -5,7 +5,7 @@
     k3 info (--ckpt DIR | --preset NAME)                 layer schedule and parameter counts
     k3 demo [--out DIR]                                  the README's main job: init tiny -> save -> reload -> generate
     k3 train --preset tiny --out DIR [...]               train (README's main job), resumable with --resume
-    k3 plot RUN_DIR                                      PNG plots of a run's metrics (training or RL)
+    k3 plot RUN_DIR [RUN_DIR ...]                        PNG plots of a run (training or RL); several: compared
     k3 rl --task calculator,files --out DIR [...]        agentic RL in sandboxes (SFT warm start, GRPO, routing replay)
     k3 export --ckpt DIR --out DIR                       a training checkpoint or run in the release format (bf16 + fp32)
     k3 tokenizer train --out DIR [--data PATH]           a byte-level BPE for a preset's vocabulary
@@ -379,11 +379,16 @@ def cmd_rl(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from openk3.train.plot import plot_run
+    from openk3.train.plot import plot_comparison, plot_run
 
-    if os.path.exists(os.path.join(args.run_dir, "rl_config.json")):  # a `k3 rl` run: reward and success curves
-        from openk3.rl.plot import plot_rl_run as plot_run
-    for path in plot_run(args.run_dir, args.out):
+    if len(args.run_dir) > 1:  # several runs: their gradient norms on one figure
+        paths = plot_comparison(args.run_dir, args.out)
+    else:
+        run_dir = args.run_dir[0]
+        if os.path.exists(os.path.join(run_dir, "rl_config.json")):  # a `k3 rl` run: reward and success curves
+            from openk3.rl.plot import plot_rl_run as plot_run
+        paths = plot_run(run_dir, args.out)
+    for path in paths:
         print(f"wrote {path}")
     return 0
 
@@ -424,7 +429,7 @@ def cmd_plan(args) -> int:
 
 
 # The benchmarks live in the checkout beside the package (benchmarks/NAME.py), not in the installed package.
-BENCHMARKS = ("kda", "serve", "ep", "sandbox", "rl")
+BENCHMARKS = ("kda", "serve", "ep", "sandbox", "rl", "vision")
 BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
@@ -682,8 +687,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plot", help="PNG plots of a run (loss, MaxVio, expert load; a k3 rl run: reward, success, "
                        "log-prob gap)")  # fmt: skip
-    p.add_argument("run_dir")
-    p.add_argument("--out", default=None, help="folder for the PNGs (default: the run folder)")
+    p.add_argument("run_dir", nargs="+", help="a run folder; several: their gradient norms compared on one figure")
+    p.add_argument("--out", default=None, help="folder for the PNGs (default: the run folder; several runs: .)")
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("export", help="write a checkpoint in the release format and dtypes")

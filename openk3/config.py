@@ -522,19 +522,21 @@ def preset_small() -> K3Config:
 
 
 def preset_tiny_vl() -> K3Config:
-    """`tiny` plus a tiny MoonViT-V2 that trains on 2 CPU cores (0.30M tower + 0.22M projector parameters, 6.83M in
-    all): the release's vision_config keys and implemented types, scaled to width 96, 2 blocks of 2 heads x 48 (qkv
-    width = width), MLP 384, patch 14, 2x2 merge, a 16x16 position table (grids up to 224 px without
-    interpolation), and the projector to the text width 192. The media placeholder is special base + 21 (id 789)."""
+    """`tiny` plus a small MoonViT-V2 that trains on 2 CPU cores (1.93M tower + 0.74M projector parameters, 8.98M
+    in all): the release's vision_config keys and implemented types, scaled to width 192, 4 blocks of 3 heads x 64
+    (qkv width = width), MLP 768, patch 14, 2x2 merge, a 16x16 position table (grids up to 224 px without
+    interpolation), and the projector to the text width 192. The media placeholder is special base + 21 (id 789).
+    The tower can be this wide because it is cheap: images of the embedded tasks have 16-64 patches, and the text
+    model's tokens cost far more per step."""
     config = preset_tiny()
     config.vision_config = {**_vision_config_k3(), "init_pos_emb_height": 16, "init_pos_emb_width": 16,
-                            "mm_hidden_size": 96, "qkv_hidden_size": 96, "text_hidden_size": 192,
-                            "vt_hidden_size": 96, "vt_intermediate_size": 384, "vt_num_attention_heads": 2,
-                            "vt_num_hidden_layers": 2}  # fmt: skip
+                            "mm_hidden_size": 192, "qkv_hidden_size": 192, "text_hidden_size": 192,
+                            "vt_hidden_size": 192, "vt_intermediate_size": 768, "vt_num_attention_heads": 3,
+                            "vt_num_hidden_layers": 4}  # fmt: skip
     return config
 
 
 PRESETS = {"k3": preset_k3, "small": preset_small, "tiny": preset_tiny, "tiny-vl": preset_tiny_vl}
-# The presets the text commands (k3 init/train/plan/tokenizer) offer: tiny-vl is built with K3ForConditionalGeneration,
-# and `k3 train` does not feed images yet (issue 16 item 5).
+# The presets the text-only commands (k3 init/plan/tokenizer) offer: tiny-vl is built with K3ForConditionalGeneration,
+# and only `k3 train` (--data vision) feeds it images.
 TEXT_PRESETS = tuple(sorted(name for name in PRESETS if name != "tiny-vl"))

@@ -107,9 +107,10 @@ def test_train_flags_come_from_train_config(tmp_path, capsys):
              "--schedule", "--warmup", "--weight-decay", "--grad-clip", "--device", "--precision", "--eval-every",
              "--eval-batches", "--save-every", "--keep-checkpoints", "--max-nonfinite", "--sample-tokens", "--dp",
              "--ep", "--cp", "--out", "--resume", "--activation-checkpointing", "--balance-exact-thresholds",
-             "--no-progress", "--threads"}  # fmt: skip
+             "--no-progress", "--threads", "--vision-kinds", "--vision-eval-examples", "--contrastive-steps",
+             "--contrastive-lr"}  # fmt: skip
     assert set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", help_text)) == flags | {"--help", "--nproc"}
-    for choices in ("{k3,small,tiny}", "{bpe,byte}", "{quantile,sign,none}", "{wsd,cosine}", "{adamw,muon}",
+    for choices in ("{k3,small,tiny,tiny-vl}", "{bpe,byte}", "{quantile,sign,none}", "{wsd,cosine}", "{adamw,muon}",
                     "{auto,fp32,bf16}"):  # fmt: skip
         assert choices in help_text
 

@@ -225,6 +225,17 @@ def generate(n: int, seed: int = 0, split: str = "train", kinds: tuple[str, ...]
     return [example(i, seed, split, kinds) for i in range(n)]
 
 
+def caption(ex: VisionExample) -> str:
+    """What the image shows, for contrastive pre-training (train/contrastive.py): the text read off a `text` image;
+    a scene's shapes as "colour shape" items sorted and counted ("2 red circle, 1 blue square")."""
+    if ex.kind == "text":
+        return ex.spec["text"]
+    counts: dict[str, int] = {}
+    for shape, colour, _ in ex.spec["shapes"]:
+        counts[f"{colour} {shape}"] = counts.get(f"{colour} {shape}", 0) + 1
+    return ", ".join(f"{n} {item}" for item, n in sorted(counts.items()))
+
+
 def _image_key(ex: VisionExample) -> str:
     return hashlib.sha1(repr(ex.image.size).encode() + ex.image.tobytes()).hexdigest()
 

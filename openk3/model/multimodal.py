@@ -180,6 +180,24 @@ class K3ForConditionalGeneration(nn.Module):
         return self.language_model(ids, mask if has_padding else None, labels=labels, return_dict=return_dict,
                                    inputs_embeds=embeds)  # fmt: skip
 
+    def forward_batch(self, batch, pixel_values: torch.Tensor | None = None,
+                      grid_thws: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Packed forward (`ForwardBatch`, no padding): logits [T, V], as `K3ForCausalLM.forward_batch`, with the
+        images' rows put in place of their placeholders. Each image needs its N placeholders in the ids (the
+        packed stream cannot grow); one placeholder standing for N > 1 rows is an error here."""
+        if (pixel_values is None) != (grid_thws is None):
+            raise ValueError("pass pixel_values and grid_thws together")
+        embeds_TD = None
+        if pixel_values is not None:
+            features = self.encode_images(pixel_values, grid_thws)
+            ids_1T = batch.input_ids_T[None]
+            ids, embeds_1TD, _, _ = self.merge_image_rows(ids_1T, features)
+            if ids.shape != ids_1T.shape:
+                raise ValueError("forward_batch needs N placeholder tokens per image (the packed stream cannot "
+                                 "grow); expand one-placeholder prompts first")  # fmt: skip
+            embeds_TD = embeds_1TD[0]
+        return self.language_model.forward_batch(batch, embeds_TD)
+
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype | None = None,
                         device: str | torch.device = "cpu") -> K3ForConditionalGeneration:  # fmt: skip

@@ -251,11 +251,15 @@ def is_training_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, METADATA))
 
 
-def build_model(config: K3Config, device: str | torch.device = "cpu") -> K3ForCausalLM:
-    """A K3ForCausalLM with uninitialised fp32 storage on `device` (meta construction, then `to_empty`): the caller
-    initialises it (`init_weights`) or fills it from a checkpoint."""
+def build_model(config: K3Config, device: str | torch.device = "cpu"):
+    """A K3ForCausalLM, or a K3ForConditionalGeneration when the config has a vision tower, with uninitialised fp32
+    storage on `device` (meta construction, then `to_empty`): the caller initialises it (`init_weights`) or fills
+    it from a checkpoint."""
+    from openk3.model.multimodal import K3ForConditionalGeneration
+
+    cls = K3ForCausalLM if config.vision_config is None else K3ForConditionalGeneration
     with torch.device("meta"):
-        model = K3ForCausalLM(config)
+        model = cls(config)
     return model.to_empty(device=device)
 
 
@@ -266,7 +270,7 @@ def load_model(path: str, dtype: torch.dtype | None = None, device: str | torch.
     are fp32)."""
     folder = resolve_checkpoint(path)
     if not is_training_checkpoint(folder):
-        return K3ForCausalLM.from_pretrained(folder, dtype=dtype, device=device), folder
+        return K3ForCausalLM.from_pretrained(folder, dtype=dtype, device=device), folder  # text (vision skipped)
     model = build_model(K3Config.from_pretrained(folder))
     load_distributed(model, folder, None, Layout.single().dims)
     if dtype is not None:

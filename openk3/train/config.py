@@ -11,13 +11,16 @@ import json
 import os
 from dataclasses import dataclass
 
-from openk3.config import TEXT_PRESETS
+from openk3.config import PRESETS
 
 BALANCE_METHODS = ("quantile", "sign", "none")
 SCHEDULES = ("wsd", "cosine")
 PRECISIONS = ("auto", "fp32", "bf16")
 OPTIMIZERS = ("adamw", "muon")
 TOKENIZERS = ("bpe", "byte")
+TRAIN_PRESETS = tuple(sorted(PRESETS))
+VISION_PRESETS = ("tiny-vl",)  # presets with a vision tower: they train on --data vision
+VISION_KINDS = ("text", "count", "colour")  # openk3.data.vision_tasks.KINDS (not imported: keeps Pillow out of here)
 
 
 def flag(default, help: str, **meta):
@@ -32,9 +35,10 @@ def flag(default, help: str, **meta):
 
 @dataclass
 class TrainConfig:
-    preset: str = flag("tiny", "model preset", choices=TEXT_PRESETS)
-    data: str = flag("stdlib", "stdlib (default), mqar, needle, copy, recall, or a path: text file, folder, JSONL "
-                     "with 'text'")  # fmt: skip
+    preset: str = flag("tiny", "model preset", choices=TRAIN_PRESETS)
+    data: str | None = flag(None, "stdlib (the default of a text preset), mqar, needle, copy, recall, a path (text "
+                            "file, folder, JSONL with 'text'), or vision (the embedded image-text tasks: the default "
+                            "and only choice of tiny-vl)")  # fmt: skip
     tokenizer: str = flag("bpe", "bpe (trained on the corpus, saved with the checkpoint) or byte", choices=TOKENIZERS)
     steps: int = flag(200, "total optimizer steps of the run (the schedule's length)")
     stop_after: int | None = flag(None, "stop cleanly once this many steps are done (schedule unchanged)", launch=True)
@@ -83,14 +87,47 @@ class TrainConfig:
     dp: int = flag(1, "data-parallel degree (FSDP2); dp x ep x cp = the number of processes", launch=True)
     ep: int = flag(1, "expert-parallel degree (experts split over ranks, all-to-all dispatch)", launch=True)
     cp: int = flag(1, "context-parallel degree (contiguous sequence shards)", launch=True)
+    # Vision runs (--preset tiny-vl, --data vision; train/vision_data.py): a row of the batch is one example.
+    vision_kinds: str = flag("text,count,colour", "vision: the task kinds trained and evaluated (comma-separated, of "
+                             "text, count, colour)")  # fmt: skip
+    vision_eval_examples: int = flag(200, "vision: held-out examples per evaluation (greedy answers)")
+    contrastive_steps: int = flag(0, "vision: CLIP-style InfoNCE pre-training steps of the tower before joint "
+                                  "training (the report's alternative to from-scratch; 0: from scratch)")  # fmt: skip
+    contrastive_lr: float = flag(1e-3, "vision: peak learning rate of the contrastive stage")
     # A property of the machine, not the run: --resume on another machine picks its own default.
     threads: int | None = flag(None, "torch CPU threads per process (default: OMP_NUM_THREADS, else the physical "
                                "cores available / processes on this machine)", launch=True)  # fmt: skip
 
     def __post_init__(self) -> None:
+        if self.data is None:
+            self.data = "vision" if self.preset in VISION_PRESETS else "stdlib"
         self.validate()
 
+    @property
+    def vision(self) -> bool:
+        return self.data == "vision"
+
+    @property
+    def vision_kinds_tuple(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in self.vision_kinds.split(",") if k.strip())
+
     def validate(self) -> None:
+        if (self.preset in VISION_PRESETS) != (self.data == "vision"):
+            raise ValueError(f"--data vision goes with a vision preset ({', '.join(VISION_PRESETS)}) and a vision "
+                             f"preset with --data vision; got --preset {self.preset} --data {self.data}")  # fmt: skip
+        if self.vision:
+            bad = [k for k in self.vision_kinds_tuple if k not in VISION_KINDS]
+            if bad or not self.vision_kinds_tuple:
+                raise ValueError(f"--vision-kinds must name some of {VISION_KINDS}, got {self.vision_kinds!r}")
+            if self.dp * self.ep * self.cp > 1:
+                raise ValueError("--data vision trains in one process (--dp/--ep/--cp 1): the vision batches are not "
+                                 "sharded yet")  # fmt: skip
+            if self.vision_eval_examples <= 0:
+                raise ValueError(f"--vision-eval-examples must be positive, got {self.vision_eval_examples}")
+        if self.contrastive_lr <= 0:
+            raise ValueError(f"--contrastive-lr must be positive, got {self.contrastive_lr}")
+        if self.contrastive_steps < 0 or (self.contrastive_steps and not self.vision):
+            raise ValueError(f"--contrastive-steps ({self.contrastive_steps}) must be >= 0 and needs --data vision")
         if self.steps <= 0:
             raise ValueError(f"--steps must be positive, got {self.steps}")
         if self.stop_after is not None and self.stop_after <= 0:

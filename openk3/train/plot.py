@@ -4,6 +4,11 @@
                      legend sits below the axes so it covers no curve
     max_vio.png      MaxVio (max over MoE layers) per step and each MoE layer's value, labelled, legend at the right
     expert_load.png  heatmap of the last logged per-layer expert loads, as load / mean load
+    grad_norm.png    vision runs: the whole model's and the tower's gradient norm per step (log scale)
+    vision_eval.png  vision runs: held-out exact match per task kind at each evaluation, blank-image baseline dashed
+
+`k3 plot RUN_A RUN_B ...` (several runs) writes one figure, grad_norm_compare.png in --out (default: the current
+folder): the runs' tower and whole-model gradient norms on shared axes (the report's stability comparison).
 """
 
 from __future__ import annotations
@@ -40,7 +45,69 @@ def plot_run(run_dir: str, out_dir: str | None = None) -> list[str]:
         written.append(_save(max_vio_figure(rows, name), out_dir, "max_vio.png"))
     if any(r.get("expert_load") for r in rows):
         written.append(_save(expert_load_figure(rows, name), out_dir, "expert_load.png"))
+    if any("grad_norm_tower" in r for r in rows):
+        written.append(_save(grad_norm_figure({name: rows}), out_dir, "grad_norm.png"))
+    if any("vision_exact" in r for r in rows):
+        written.append(_save(vision_eval_figure(rows, name), out_dir, "vision_eval.png"))
     return written
+
+
+def plot_comparison(run_dirs: list[str], out_dir: str | None = None) -> list[str]:
+    """grad_norm_compare.png: every run's gradient norms on one figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    runs = {}
+    for run in run_dirs:
+        name = os.path.basename(os.path.abspath(run))
+        if name in runs:
+            name = os.path.abspath(run)
+        runs[name] = read_metrics(run)
+    out_dir = out_dir or "."
+    os.makedirs(out_dir, exist_ok=True)
+    return [_save(grad_norm_figure(runs), out_dir, "grad_norm_compare.png")]
+
+
+def grad_norm_figure(runs: dict[str, list[dict]]):
+    """Two panels: the tower's gradient norm (vision runs) and the whole model's, one curve per run, log scale.
+    Norms are before clipping."""
+    import matplotlib.pyplot as plt
+
+    towers = any("grad_norm_tower" in r for rows in runs.values() for r in rows)
+    fig, axes = plt.subplots(1, 2 if towers else 1, figsize=(12 if towers else 7, 4.4), squeeze=False)
+    panels = [("grad_norm_tower", "vision tower"), ("grad_norm", "whole model")] if towers else [("grad_norm", "model")]
+    for ax, (key, title) in zip(axes[0], panels):
+        for name, rows in runs.items():
+            have = [r for r in rows if key in r and r[key] is not None]
+            ax.plot([r["step"] for r in have], [r[key] for r in have], lw=0.9, alpha=0.85, label=name)
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("gradient norm (before clipping)")
+        ax.set_title(f"{title}: gradient norm")
+        ax.legend(fontsize="small", frameon=False)
+    return fig
+
+
+def vision_eval_figure(rows: list[dict], name: str):
+    import matplotlib.pyplot as plt
+
+    evals = [r for r in rows if "vision_exact" in r]
+    kinds = sorted({k[len("vision_exact_") :] for r in evals for k in r if k.startswith("vision_exact_")
+                    and not k.startswith("vision_exact_blank")})  # fmt: skip
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    steps = [r["step"] for r in evals]
+    for kind in kinds:
+        line = ax.plot(steps, [r.get(f"vision_exact_{kind}") for r in evals], "o-", label=kind)[0]
+        blank = [r for r in evals if f"vision_exact_blank_{kind}" in r]
+        if blank:
+            ax.axhline(blank[-1][f"vision_exact_blank_{kind}"], color=line.get_color(), ls="--", lw=1,
+                       label=f"{kind}, blank image")  # fmt: skip
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out exact match (greedy)")
+    ax.set_title(f"{name}: held-out exact match by task kind")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+    return fig
 
 
 def loss_figure(rows: list[dict], name: str):

@@ -48,7 +48,6 @@ from openk3.train.metrics import random_routing_maxvio_floor
 from openk3.train.optim import build_optimizer, lr_at
 from openk3.train.throughput import matmul_gflops
 
-
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_GRACE_S = 2.0  # a stop signal repeated within this many seconds is the same request (see _StopSignals)
 
@@ -77,7 +76,12 @@ class Trainer:
         ckpt = self._checkpoint_to_resume()
         torch.manual_seed(cfg.seed)
         model_config = K3Config.from_pretrained(ckpt) if ckpt else K3Config.preset(cfg.preset)
-        self.data = RunData(cfg, model_config.text_config, tokenizer_dir=ckpt, log=log)
+        if cfg.vision:
+            from openk3.train.vision_data import VisionRunData  # Pillow and the task renderer: vision runs only
+
+            self.data = VisionRunData(cfg, model_config, tokenizer_dir=ckpt, log=log)
+        else:
+            self.data = RunData(cfg, model_config.text_config, tokenizer_dir=ckpt, log=log)
         self.model = build_model(model_config)
         if ckpt is None:
             self.model.init_weights(torch.Generator().manual_seed(cfg.seed))
@@ -100,12 +104,16 @@ class Trainer:
             self._truncate_metrics(self.step)
         if self.layout.is_main:
             cfg.save(self.run_dir)
-        text = self.model.text_config
-        # The reported max_vio is a max over MoE layers, so its floor is too.
-        self.max_vio_floor = random_routing_maxvio_floor(cfg.tokens_per_step, text.num_experts, text.num_experts_per_token,
-                                                         trials=16, seed=cfg.seed, num_layers=len(self.balancer.layers))  # fmt: skip
+        # The reported max_vio is a max over MoE layers, so its floor is too. A vision step's token count depends on
+        # its images: its floor is computed at the first step, from that step's tokens.
+        self.max_vio_floor = None if cfg.vision else self._max_vio_floor(cfg.tokens_per_step)
         self.peak_gflops = matmul_gflops(self.device)
         self.active_params = self.model.num_parameters()[1]
+
+    def _max_vio_floor(self, tokens: int) -> float:
+        text = self.model.text_config
+        return random_routing_maxvio_floor(tokens, text.num_experts, text.num_experts_per_token, trials=16,
+                                           seed=self.cfg.seed, num_layers=len(self.balancer.layers))  # fmt: skip
 
     def _checkpoint_to_resume(self) -> str | None:
         """The checkpoint `--resume` continues from: the run's newest good one (a damaged one is skipped with a
@@ -136,10 +144,21 @@ class Trainer:
         )
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
 
+    def _micro_batch_loss(self, b, n_labels: int) -> tuple[torch.Tensor, float]:
+        """(summed cross-entropy of micro-batch `b` / the step's label count, the factor on it before backward)."""
+        if self.cfg.vision:  # one process (TrainConfig.validate); labels are shifted already
+            ids, labels = b.padded(self.model.text_config.pad_token_id)  # faster than packed here (vision_data.py)
+            logits = self.model(ids.to(self.device), pixel_values=b.pixel_values.to(self.device),
+                                grid_thws=b.grid_thws).logits  # fmt: skip
+            return lm_loss_sum(logits.flatten(0, 1), labels.to(self.device).flatten()) / max(n_labels, 1), 1.0
+        fb, labels, scale = self.layout.local_batch(b)
+        logits = self.model.forward_batch(fb)
+        return lm_loss_sum(logits, labels.reshape(-1)) / max(n_labels, 1), scale
+
     def train_step(self) -> dict:
         cfg, step = self.cfg, self.step
         seq_len = cfg.seq_len_at(step)
-        rows = cfg.tokens_per_step // seq_len
+        rows = cfg.batch_size if cfg.vision else cfg.tokens_per_step // seq_len
         micro_rows = rows // cfg.accum_steps
         lr = lr_at(step, cfg)
         for group in self.optimizer.param_groups:
@@ -151,17 +170,18 @@ class Trainer:
         # per step together with the gradient norm: one host sync per step, none per micro-batch.
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for b in batches:
-            fb, labels, scale = self.layout.local_batch(b)
             with self.balancer.collecting(), self._autocast():
-                logits = self.model.forward_batch(fb)
-                loss = lm_loss_sum(logits, labels.reshape(-1)) / max(n_labels, 1)
+                loss, scale = self._micro_batch_loss(b, n_labels)
             (loss * scale).backward()
             total += loss.detach().double()
         self.layout.sum_over_ranks(total)
+        tower_norm = _tower_grad_norm(self.model) if cfg.vision else None  # before clipping, as grad_norm is
         norm = self.layout.clip_gradients(self.model, cfg.grad_clip)
         total, grad_norm = torch.stack([total, norm.to(torch.float64)]).tolist()
         finite = math.isfinite(total) and math.isfinite(grad_norm)
         row = {"step": step + 1, "loss": total, "lr": lr, "seq_len": seq_len, "grad_norm": grad_norm}
+        if tower_norm is not None:
+            row.update(grad_norm_tower=float(tower_norm))
         if finite:
             bal = self.balancer.step()
             self.optimizer.step()
@@ -176,7 +196,9 @@ class Trainer:
             row.update(skipped=True)
         self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
-        tokens = rows * seq_len
+        tokens = sum(b.num_tokens() for b in batches) if cfg.vision else rows * seq_len
+        if self.max_vio_floor is None:
+            self.max_vio_floor = self._max_vio_floor(tokens)
         self.tokens_seen += tokens
         tps = tokens / elapsed
         row.update(tokens_per_s=tps, tokens=self.tokens_seen, nonfinite_steps=self.nonfinite_total,
@@ -192,6 +214,10 @@ class Trainer:
         started = time.perf_counter()
         last_row: dict = {}
         self.stopped_by = None
+        if cfg.contrastive_steps and self.step == 0:
+            from openk3.train.contrastive import pretrain_tower
+
+            pretrain_tower(self.model, self.data, cfg, self.device, log=self.log)
         signals = _StopSignals(self.log).install()
         try:
             while self.step < stop:
@@ -241,7 +267,13 @@ class Trainer:
     def evaluate(self) -> dict:
         self.model.eval()
         try:
-            out = evaluate(self.model, self.data, self.cfg, self.device)
+            if self.cfg.vision:
+                from openk3.train.vision_eval import evaluate_vision
+
+                # The blank-image baseline doubles the evaluation's cost: the final evaluation only.
+                out = evaluate_vision(self.model, self.data, self.device, blank=self.step >= self.cfg.steps)
+            else:
+                out = evaluate(self.model, self.data, self.cfg, self.device)
         finally:
             self.model.train()
         out["max_vio_floor"] = self.max_vio_floor
@@ -313,6 +345,15 @@ class _StopSignals:
         self._previous = {}
 
 
+def _tower_grad_norm(model) -> torch.Tensor:
+    """The vision tower's gradient norm (the report's stability signal), fp64, on the device."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in model.vision_tower.parameters():
+        if p.grad is not None:
+            sq = sq.to(p.grad.device) + p.grad.double().pow(2).sum()
+    return sq.sqrt()
+
+
 def _holds_run(run_dir: str) -> bool:
     """Whether `run_dir` holds a started run. (Not train_config.json: one process of a multi-process run may write it
     before another has looked.)"""
@@ -333,6 +374,10 @@ def _eval_line(row: dict) -> str:
     if "unigram_loss" in row:
         parts[0] += f" (unigram {row['unigram_loss']:.3f})"
     parts += [f"{name} {row[key]:.0%}" for key, name in (("mqar_acc", "mqar"), ("needle_acc", "needle")) if key in row]
+    kinds = sorted(k[len("vision_exact_") :] for k in row if k.startswith("vision_exact_") and "blank" not in k)
+    parts += [f"{kind} {row['vision_exact_' + kind]:.0%}" for kind in kinds]
+    if "vision_exact_blank" in row:
+        parts.append(f"blank-image baseline {row['vision_exact_blank']:.0%}")
     return ", ".join(parts)
 
 

@@ -167,8 +167,8 @@ def test_tiny_vl_preset_trains_the_tower_through_a_text_loss():
         model = K3ForConditionalGeneration(config)
     tower = sum(p.numel() for p in model.vision_tower.parameters())
     projector = sum(p.numel() for p in model.mm_projector.parameters())
-    assert (tower, projector) == (302_688, 221_376)
-    assert model.num_parameters()[0] == 6_831_250
+    assert (tower, projector) == (1_933_248, 737_472)
+    assert model.num_parameters()[0] == 8_977_906
     model.to_empty(device="cpu")
     model.init_weights(torch.Generator().manual_seed(0))
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from grad_match import assert_gradients_match
 from safetensors.torch import load_file
-from train_helpers import QUIET, corpus, small_config  # noqa: F401 - corpus is the pytest fixture
+from train_helpers import QUIET, corpus, grads_of_one_step, small_config  # noqa: F401 - corpus is the pytest fixture
 
 from openk3 import K3ForCausalLM
 from openk3.cli import main
@@ -130,25 +130,10 @@ def test_nonfinite_steps_are_skipped_then_stop(corpus, tmp_path, monkeypatch):
     assert [r.get("skipped", False) for r in rows] == [False, True, False, True, True, True]
 
 
-def _grads_of_one_step(trainer):
-    """Run one step, capturing the gradients the optimizer sees (Adam's first update amplifies rounding, so the
-    gradients are the quantity to compare)."""
-    grads = {}
-    real_step = trainer.optimizer.step
-
-    def capture():
-        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
-        real_step()
-
-    trainer.optimizer.step = capture
-    row = trainer.train_step()
-    return row, grads
-
-
 def test_gradient_accumulation_matches_one_batch(corpus, tmp_path):
     one = Trainer(_cfg(corpus, tmp_path / "one", steps=1, curriculum=0.0), log=lambda *a: None)
     acc = Trainer(_cfg(corpus, tmp_path / "acc", steps=1, curriculum=0.0, micro_batch_size=1), log=lambda *a: None)
-    (r1, g1), (r2, g2) = _grads_of_one_step(one), _grads_of_one_step(acc)
+    (r1, g1), (r2, g2) = grads_of_one_step(one), grads_of_one_step(acc)
     assert abs(r1["loss"] - r2["loss"]) <= 1e-5 * abs(r1["loss"])
     assert r1["max_vio"] == r2["max_vio"]  # the balancer pooled the micro-batches into the same step statistics
     assert_gradients_match(g2, g1)

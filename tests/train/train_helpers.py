@@ -28,3 +28,18 @@ def small_config(corpus: str, out, **overrides) -> TrainConfig:
     """A tiny-preset run on `corpus`: byte tokenizer, 4 x 64-token batches, quiet; `overrides` set the rest."""
     return TrainConfig(**{**dict(data=corpus, tokenizer="byte", batch_size=4, seq_len=64, out=str(out), **QUIET),
                           **overrides})  # fmt: skip
+
+
+def grads_of_one_step(trainer):
+    """Run one step, capturing the gradients the optimizer sees (Adam's first update amplifies rounding, so the
+    gradients are the quantity to compare)."""
+    grads = {}
+    real_step = trainer.optimizer.step
+
+    def capture():
+        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+        real_step()
+
+    trainer.optimizer.step = capture
+    row = trainer.train_step()
+    return row, grads

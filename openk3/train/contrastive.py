@@ -26,8 +26,10 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from openk3.data import vision_tasks as vt
+from openk3.train.metrics import tower_grad_norm
 
 EMBED_DIM = 128
 MAX_CAPTION_TOKENS = 32
@@ -83,8 +85,9 @@ def clip_loss(image_BE: torch.Tensor, text_BE: torch.Tensor, logit_scale: torch.
 
 def pretrain_tower(model, data, cfg, device="cpu", log=print) -> list[dict]:
     """`cfg.contrastive_steps` InfoNCE steps on `model.vision_tower` (updated in place) with AdamW at
-    cfg.contrastive_lr (warmup over the first 5%, then constant), batches of cfg.batch_size from the run's training stream (examples
-    0.., the same ones joint training then sees). Returns the per-step rows written to contrastive.jsonl."""
+    cfg.contrastive_lr (warmup over the first 5%, then constant), batches of cfg.batch_size from the run's training
+    stream (examples 0.., the same ones joint training then sees). Returns the per-step rows written to
+    contrastive.jsonl."""
     steps, rows = cfg.contrastive_steps, []
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     tok, pad = data.tokenizer, data.text.pad_token_id
@@ -108,16 +111,13 @@ def pretrain_tower(model, data, cfg, device="cpu", log=print) -> list[dict]:
                 g["lr"] = cfg.contrastive_lr * min(1.0, (step + 1) / warmup)
             examples = data.train_examples(step * cfg.batch_size, cfg.batch_size)
             captions = [vt.caption(ex) for ex in examples]
-            ids = [tok.encode(c)[:MAX_CAPTION_TOKENS] for c in captions]
-            ids_BN = torch.full((len(ids), max(map(len, ids))), pad, dtype=torch.long)
-            for b, row in enumerate(ids):
-                ids_BN[b, : len(row)] = torch.tensor(row)
+            ids_BN = pad_sequence([torch.tensor(tok.encode(c)[:MAX_CAPTION_TOKENS]) for c in captions],
+                                  batch_first=True, padding_value=pad)  # fmt: skip
             pixel_values, grid_thws, _ = data.encoder.images(examples)
             merged = model.vision_tower(pixel_values.to(device), grid_thws)
             loss, acc = clip_loss(head(merged), text_enc(ids_BN.to(device)), logit_scale, captions)
             loss.backward()
-            tower_norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.vision_tower.parameters()
-                                       if p.grad is not None))  # fmt: skip
+            tower_norm = float(tower_grad_norm(model))
             norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -63,3 +63,12 @@ def random_routing_maxvio_floor(
             for _ in range(num_layers)
         )
     return total / trials
+
+
+def tower_grad_norm(model) -> torch.Tensor:
+    """The vision tower's gradient norm (the report's stability signal), fp64, on the gradients' device."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in model.vision_tower.parameters():
+        if p.grad is not None:
+            sq = sq.to(p.grad.device) + p.grad.double().pow(2).sum()
+    return sq.sqrt()

@@ -44,7 +44,7 @@ from openk3.train.data import RunData
 from openk3.train.distributed import Layout
 from openk3.train.evaluate import evaluate
 from openk3.train.loss import lm_loss_sum
-from openk3.train.metrics import random_routing_maxvio_floor
+from openk3.train.metrics import random_routing_maxvio_floor, tower_grad_norm
 from openk3.train.optim import build_optimizer, lr_at
 from openk3.train.throughput import matmul_gflops
 
@@ -175,7 +175,7 @@ class Trainer:
             (loss * scale).backward()
             total += loss.detach().double()
         self.layout.sum_over_ranks(total)
-        tower_norm = _tower_grad_norm(self.model) if cfg.vision else None  # before clipping, as grad_norm is
+        tower_norm = tower_grad_norm(self.model) if cfg.vision else None  # before clipping, as grad_norm is
         norm = self.layout.clip_gradients(self.model, cfg.grad_clip)
         total, grad_norm = torch.stack([total, norm.to(torch.float64)]).tolist()
         finite = math.isfinite(total) and math.isfinite(grad_norm)
@@ -343,15 +343,6 @@ class _StopSignals:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous = {}
-
-
-def _tower_grad_norm(model) -> torch.Tensor:
-    """The vision tower's gradient norm (the report's stability signal), fp64, on the device."""
-    sq = torch.zeros((), dtype=torch.float64)
-    for p in model.vision_tower.parameters():
-        if p.grad is not None:
-            sq = sq.to(p.grad.device) + p.grad.double().pow(2).sum()
-    return sq.sqrt()
 
 
 def _holds_run(run_dir: str) -> bool:

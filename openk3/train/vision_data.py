@@ -15,9 +15,9 @@ the packed varlen one at these lengths (32 examples of ~40 tokens: 1.0 s against
 The price: the router balancer also counts the pad tokens (about 6% of a step's tokens).
 
 Example i of a run is example i of the ("train", seed) stream (`vision_tasks.example`), so the data position is
-the number of examples drawn. Held-out examples come from the ("heldout", seed) stream (`heldout`). The tokenizer is a byte-level BPE trained on the task's own
-prompts and scene answers (`task_tokenizer`; deterministic, saved with the checkpoint), or bytes with
-`--tokenizer byte`.
+the number of examples drawn. Held-out examples come from the ("heldout", seed) stream (`heldout`). The tokenizer
+is a byte-level BPE trained on the task's own prompts and scene answers (`task_tokenizer`; deterministic, saved
+with the checkpoint), or bytes with `--tokenizer byte`.
 
 Legend: B examples, T packed tokens, L patches.
 """
@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from openk3.data import vision_tasks as vt
 from openk3.data.packing import IGNORE_INDEX
@@ -34,7 +35,6 @@ from openk3.data.tokenizer import NUM_SPECIAL_TOKENS, ByteTokenizer, load_tokeni
 from openk3.data.vision import num_image_tokens, preprocess
 from openk3.model.batch import ForwardBatch
 
-VISION_DATA = "vision"
 BPE_EXAMPLES = 4000  # prompts the BPE is trained on: every prompt and scene answer occurs many times
 # K3's media markers, as offsets from the first special id (data/tokenizer.K3_SPECIAL_NAMES).
 MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END = 18, 19, 20
@@ -60,13 +60,8 @@ class VisionBatch:
 
     def padded(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [B, T_max] right-padded with `pad_id`, labels [B, T_max] with IGNORE_INDEX on the padding)."""
-        B, T = len(self.seq_lens), max(self.seq_lens)
-        ids = torch.full((B, T), pad_id, dtype=torch.long)
-        labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
-        for b, (ids_n, labels_n) in enumerate(zip(self.input_ids.split(self.seq_lens), self.labels.split(self.seq_lens))):
-            ids[b, : ids_n.numel()] = ids_n
-            labels[b, : labels_n.numel()] = labels_n
-        return ids, labels
+        ids = pad_sequence(self.input_ids.split(self.seq_lens), batch_first=True, padding_value=pad_id)
+        return ids, pad_sequence(self.labels.split(self.seq_lens), batch_first=True, padding_value=IGNORE_INDEX)
 
 
 def task_tokenizer(text_config, log=print):
@@ -164,14 +159,11 @@ class VisionRunData:
     def heldout(self) -> list[vt.VisionExample]:
         """The first `--vision-eval-examples` of the ("heldout", seed) stream. Not filtered against the training
         stream, which is unbounded (drawn per step): with random colours, positions, sizes and noise a pixel-equal
-        pair is vanishingly unlikely, and tests/train/test_vision_train.py checks the first 20,000 training
+        pair is vanishingly unlikely, and tests/train/test_vision_train.py checks the first 5,000 training
         examples against the held-out set."""
         if self._heldout is None:
-            n, out, i = self.cfg.vision_eval_examples, [], 0
-            while len(out) < n:
-                out.append(vt.example(i, self.cfg.seed, "heldout", self.kinds))
-                i += 1
-            self._heldout = out
+            n = self.cfg.vision_eval_examples
+            self._heldout = [vt.example(i, self.cfg.seed, "heldout", self.kinds) for i in range(n)]
         return self._heldout
 
     def val_batches(self, rows: int, seq_len: int | None, count: int) -> list[VisionBatch]:

@@ -15,6 +15,7 @@ step with the image rows) and stops an example at its end-of-message token.
 from __future__ import annotations
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from openk3.data import vision_tasks as vt
 from openk3.train.loss import lm_loss_sum
@@ -36,9 +37,7 @@ def greedy_answers(model, encoder, examples: list[vt.VisionExample], max_new_tok
         done = [False] * len(chunk)
         for _ in range(max_new_tokens):
             full = [s + g for s, g in zip(seqs, generated)]
-            ids = torch.full((len(full), max(map(len, full))), encoder.pad, dtype=torch.long)
-            for b, s in enumerate(full):
-                ids[b, : len(s)] = torch.tensor(s)
+            ids = pad_sequence([torch.tensor(s) for s in full], batch_first=True, padding_value=encoder.pad)
             # Right-padded (causal: the padding changes nothing before it; faster than packed, vision_data.py).
             logits = model(ids.to(device), pixel_values=pixel_values.to(device), grid_thws=grid_thws).logits
             last = torch.tensor([len(s) - 1 for s in full], device=logits.device)

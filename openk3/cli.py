@@ -8,11 +8,12 @@
     k3 plot RUN_DIR [RUN_DIR ...]                        PNG plots of a run (training or RL); several: compared
     k3 rl --task calculator,files --out DIR [...]        agentic RL in sandboxes (SFT warm start, GRPO, routing replay)
     k3 export --ckpt DIR --out DIR                       a training checkpoint or run in the release format (bf16 + fp32)
+    k3 export --ckpt DIR --format gguf --out FILE        ... or as a llama.cpp kimi-k3 GGUF (--outtype f32|bf16)
     k3 tokenizer train --out DIR [--data PATH]           a byte-level BPE for a preset's vocabulary
     k3 serve --ckpt DIR [--host H] [--port P]             OpenAI-compatible server (/v1/completions, /v1/chat/...)
     k3 chat --ckpt DIR                                   interactive terminal chat with streaming
     k3 plan (--ckpt DIR | --preset NAME) [...]           hybrid-cache bytes per token and request vs all-MLA
-    k3 bench (kda|serve|ep|sandbox) [...]                the checkout's benchmarks/NAME.py (`k3 bench kda --help`)
+    k3 bench (kda|serve|ep|sandbox|cpu) [...]            the checkout's benchmarks/NAME.py (`k3 bench kda --help`)
     k3 sandbox serve [--socket PATH] [...]               a sandbox fleet behind a Unix socket (owns the sandboxes)
     k3 sandbox (create|exec|snapshot|restore|fork|ls|rm) [...]   talk to it; `k3 sandbox bench` measures the backend
 """
@@ -40,9 +41,13 @@ from openk3.serve.config import (
     DEFAULT_MAX_IMAGES_PER_REQUEST,
     DEFAULT_PREPROCESS_TIMEOUT_S,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DTYPE_CHOICES,
 )
 from openk3.train.flags import add_train_arguments, config_from_args
 from openk3.utils import pick_threads, set_threads, to_dtype
+
+DTYPE_HELP = ("as vLLM: auto (the config's dtype, float32 served as bfloat16), bfloat16, float32/float, "
+              "float16/half; default: as stored")  # fmt: skip
 
 
 def _fmt(n: int) -> str:
@@ -108,11 +113,20 @@ def _generate(model: K3ForCausalLM, prompt: str, args, ckpt: str | None = None) 
     return text
 
 
+def _serve_dtype(args) -> torch.dtype | None:
+    """`--dtype` of generate/serve/chat as vLLM reads it ("auto": the checkpoint's config dtype, fp32 as bf16)."""
+    from openk3.serve.config import checkpoint_dtype, resolve_dtype
+    from openk3.train.checkpoint import resolve_checkpoint
+
+    auto = args.dtype is not None and args.dtype.lower() == "auto"
+    return resolve_dtype(args.dtype, checkpoint_dtype(resolve_checkpoint(args.ckpt)) if auto else None)
+
+
 def cmd_generate(args) -> int:
     from openk3.train.checkpoint import load_model
 
     _print_threads(args)
-    model, ckpt = load_model(args.ckpt, dtype=to_dtype(args.dtype))
+    model, ckpt = load_model(args.ckpt, dtype=_serve_dtype(args))
     _generate(model.eval(), args.prompt, args, ckpt)
     return 0
 
@@ -131,10 +145,10 @@ def _engine_from_args(args):
     folder, media_proc_cfg = resolve_checkpoint(args.ckpt), None
     if not is_training_checkpoint(folder) and K3Config.from_pretrained(folder).vision_config is not None:
         # A release checkpoint with a vision tower serves images (server.py); its processor config comes along.
-        model, ckpt = K3ForConditionalGeneration.from_pretrained(folder, dtype=to_dtype(args.dtype)), folder
+        model, ckpt = K3ForConditionalGeneration.from_pretrained(folder, dtype=_serve_dtype(args)), folder
         media_proc_cfg = load_media_proc_cfg(folder)
     else:
-        model, ckpt = load_model(args.ckpt, dtype=to_dtype(args.dtype))
+        model, ckpt = load_model(args.ckpt, dtype=_serve_dtype(args))
     model.eval()
     tok = load_tokenizer(ckpt, model.text_config)
     options = {"speculative_config": _speculative_config(args), "enable_prefix_caching": not args.no_prefix_caching,
@@ -398,14 +412,29 @@ def cmd_export(args) -> int:
 
     from openk3.train.checkpoint import load_model
 
+    if args.format == "safetensors" and args.outtype is not None:
+        raise ValueError("--outtype is for --format gguf; the safetensors export takes --dtype")
+    if args.format == "gguf" and (args.dtype is not None or args.max_shard_size is not None):
+        raise ValueError("--dtype and --max-shard-size are for --format safetensors; a GGUF export takes --outtype")
+    if args.format == "gguf" and os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} is a folder; with --format gguf it is the .gguf file to write")
     # A training checkpoint (or a run: its newest good one) is read here, offline, in this one process.
     model, ckpt = load_model(args.ckpt)
-    model.to_dtype(to_dtype(args.dtype))
+    if args.format == "gguf":
+        from openk3.export import export_gguf
+
+        outtype = args.outtype or "f32"
+        export_gguf(model, load_tokenizer(ckpt, model.text_config), args.out, outtype=outtype,
+                    name=os.path.basename(os.path.normpath(ckpt)))  # fmt: skip
+        print(f"exported {ckpt} to {args.out} (llama.cpp kimi-k3 GGUF, {outtype})")
+        return 0
+    dtype = args.dtype or "bfloat16"
+    model.to_dtype(to_dtype(dtype))
     model.save_pretrained(args.out, max_shard_size=args.max_shard_size)
     for name in ("tokenizer.json", "tokenizer_config.json", "tiktoken.model"):
         if os.path.exists(os.path.join(ckpt, name)):
             shutil.copy(os.path.join(ckpt, name), args.out)
-    print(f"exported {ckpt} to {args.out} ({args.dtype} with the release's fp32 tensors)")
+    print(f"exported {ckpt} to {args.out} ({dtype} with the release's fp32 tensors)")
     return 0
 
 
@@ -429,7 +458,7 @@ def cmd_plan(args) -> int:
 
 
 # The benchmarks live in the checkout beside the package (benchmarks/NAME.py), not in the installed package.
-BENCHMARKS = ("kda", "serve", "ep", "sandbox", "rl", "vision")
+BENCHMARKS = ("kda", "serve", "ep", "sandbox", "rl", "vision", "cpu")
 BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
@@ -659,7 +688,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="continue a prompt (the checkpoint's tokenizer, else byte-level)")
     p.add_argument("--ckpt", required=True)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: as stored")
+    p.add_argument("--dtype", type=str.lower, choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
     _add_sampling(p)
     p.set_defaults(func=cmd_generate)
 
@@ -691,11 +720,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="folder for the PNGs (default: the run folder; several runs: .)")
     p.set_defaults(func=cmd_plot)
 
-    p = sub.add_parser("export", help="write a checkpoint in the release format and dtypes")
+    p = sub.add_parser("export", help="write a checkpoint in the release format and dtypes, or as a llama.cpp GGUF")
     p.add_argument("--ckpt", required=True, help="a training checkpoint, a training run (its latest), or a release folder")
-    p.add_argument("--out", required=True)
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--max-shard-size", type=int, default=None)
+    p.add_argument("--out", required=True, help="a folder (safetensors) or the .gguf file (gguf)")
+    p.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors",
+                   help="safetensors: the release format; gguf: one file in llama.cpp's kimi-k3 format")  # fmt: skip
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                   help="safetensors only (default: bfloat16)")  # fmt: skip
+    p.add_argument("--outtype", choices=["f32", "bf16"], default=None,
+                   help="gguf only: f32 (default), or bf16 matrices (norms, biases, router, convs stay f32)")  # fmt: skip
+    p.add_argument("--max-shard-size", type=int, default=None, help="safetensors only")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("tokenizer", help="tokenizer tools")
@@ -720,7 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (("serve", "the OpenAI-compatible HTTP server"), ("chat", "an interactive terminal chat")):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--ckpt", required=True, help="a checkpoint folder or a training run folder")
-        p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: as stored")
+        p.add_argument("--dtype", type=str.lower, choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
         p.add_argument("--max-model-len", type=int, default=None)
         p.add_argument("--max-num-seqs", type=int, default=16)
         p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -758,7 +792,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--show-template", action="store_true", help="print the chat template and exit")
             p.set_defaults(func=cmd_chat)
 
-    p = sub.add_parser("bench", help="benchmarks: kda, serve, ep, sandbox")
+    p = sub.add_parser("bench", help="benchmarks: kda, serve, ep, sandbox, cpu")
     p.add_argument("which", choices=BENCHMARKS, help="benchmarks/NAME.py of the source checkout")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     p.set_defaults(func=cmd_bench)

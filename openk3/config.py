@@ -521,6 +521,13 @@ def preset_small() -> K3Config:
                    dense=2048, experts=32, top_k=4, expert_hidden=256, latent=384, block=4, special_base=32512)  # fmt: skip
 
 
+def preset_medium() -> K3Config:
+    """418.2M parameters total (243.1M active): K3's shape at 1024 wide, 16 layers, 16 experts top-4 in a 512 latent;
+    the checkpoint shape of the CPU inference comparison with llama.cpp (`k3 bench cpu`, issue 17)."""
+    return _scaled(vocab=32768, hidden=1024, layers=16, heads=8, head_dim=128, q_rank=512, kv_rank=256, rope=64,
+                   dense=5120, experts=16, top_k=4, expert_hidden=512, latent=512, block=4, special_base=32512)  # fmt: skip
+
+
 def preset_tiny_vl() -> K3Config:
     """`tiny` plus a small MoonViT-V2 that trains on 2 CPU cores (1.93M tower + 0.74M projector parameters, 8.98M
     in all): the release's vision_config keys and implemented types, scaled to width 192, 4 blocks of 3 heads x 64
@@ -536,7 +543,8 @@ def preset_tiny_vl() -> K3Config:
     return config
 
 
-PRESETS = {"k3": preset_k3, "small": preset_small, "tiny": preset_tiny, "tiny-vl": preset_tiny_vl}
+PRESETS = {"k3": preset_k3, "medium": preset_medium, "small": preset_small, "tiny": preset_tiny,
+           "tiny-vl": preset_tiny_vl}
 # The presets the text-only commands (k3 init/plan/tokenizer) offer: tiny-vl is built with K3ForConditionalGeneration,
 # and only `k3 train` (--data vision) feeds it images.
 TEXT_PRESETS = tuple(sorted(name for name in PRESETS if name != "tiny-vl"))

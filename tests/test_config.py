@@ -7,8 +7,10 @@ import json
 import os
 
 import pytest
+import torch
 
 from openk3.config import K3Config, K3TextConfig, LinearAttnConfig
+from openk3.model.model import K3ForCausalLM
 
 from config_edit import edited_preset
 from fixture_paths import MXFP4, PLAIN
@@ -52,7 +54,7 @@ def test_fixture_schedule_matches_readme():
     assert [i for i in range(9) if text.is_block_start(i)] == [0, 3, 6]
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "k3"])
+@pytest.mark.parametrize("name", ["tiny", "small", "medium", "k3"])
 def test_presets_keep_every_mechanism(name):
     text = K3Config.preset(name).text_config
     L = text.num_hidden_layers
@@ -61,6 +63,16 @@ def test_presets_keep_every_mechanism(name):
     assert text.num_attn_res_blocks >= 2
     assert text.layer_kind(L - 1) == "mla" and all(text.layer_kind(i) == "mla" for i in range(3, L, 4))
     assert all(text.layer_kind(i) == "kda" for i in range(L) if (i + 1) % 4 and i != L - 1)
+
+
+def test_medium_preset_is_the_cpu_comparison_shape():
+    """Issue 17's llama.cpp comparison checkpoint: 418M total / 243M active, 1024 wide, 16 layers, 16 experts top-4."""
+    config = K3Config.preset("medium")
+    with torch.device("meta"):
+        total, active = K3ForCausalLM(config).num_parameters()
+    text = config.text_config
+    assert (text.hidden_size, text.num_hidden_layers, text.num_experts, text.num_experts_per_token) == (1024, 16, 16, 4)
+    assert (round(total / 1e6), round(active / 1e6)) == (418, 243)
 
 
 def _bad(**changes):

@@ -21,10 +21,11 @@ ALLOWED = {
     "serve": {"model", "ops", "parallel", "data", "config", "utils"},
     "sandbox": set(),
     "rl": {"serve", "train", "sandbox", "model", "data", "config", "utils"},
+    "export": {"model", "data", "config", "utils"},
     "cli": None,  # anything
     "__init__": {"config", "model", "data"},
 }
-NO_DISTRIBUTED = {"utils", "config", "ops", "model", "data"}
+NO_DISTRIBUTED = {"utils", "config", "ops", "model", "data", "export"}
 
 
 def _package(path: pathlib.Path) -> str:

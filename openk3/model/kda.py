@@ -28,7 +28,7 @@ from torch import nn
 from openk3.config import K3TextConfig
 from openk3.model.batch import ForwardBatch, Mode
 from openk3.model.cache import KDAState
-from openk3.model.layers import ShortConvolution
+from openk3.model.layers import Linear, ShortConvolution
 from openk3.ops.conv import short_conv, short_conv_few, short_conv_varlen
 from openk3.ops.dispatch import kda_chunked, kda_step, kda_verify  # CPU fast path, or fla-core kernels on CUDA
 from openk3.ops.kda import kda_gate
@@ -44,21 +44,21 @@ class KimiDeltaAttention(nn.Module):
         self.num_heads, self.head_dim, self.lower_bound = H, K, la.gate_lower_bound
         self.eps = config.rms_norm_eps
         P = H * K
-        self.q_proj = nn.Linear(D, P, bias=False)
-        self.k_proj = nn.Linear(D, P, bias=False)
-        self.v_proj = nn.Linear(D, P, bias=False)
+        self.q_proj = Linear(D, P, bias=False)
+        self.k_proj = Linear(D, P, bias=False)
+        self.v_proj = Linear(D, P, bias=False)
         self.q_conv1d = ShortConvolution(P, W)
         self.k_conv1d = ShortConvolution(P, W)
         self.v_conv1d = ShortConvolution(P, W)
-        self.f_a_proj = nn.Linear(D, K, bias=False)  # low-rank gate, rank = head_dim as released
-        self.f_b_proj = nn.Linear(K, P, bias=False)
+        self.f_a_proj = Linear(D, K, bias=False)  # low-rank gate, rank = head_dim as released
+        self.f_b_proj = Linear(K, P, bias=False)
         self.A_log = nn.Parameter(torch.empty(H))  # stored padded to head_dim in checkpoints (model/hf.py)
         self.dt_bias = nn.Parameter(torch.empty(P))
-        self.b_proj = nn.Linear(D, H, bias=False)
-        self.g_proj = nn.Linear(D, P, bias=False)
+        self.b_proj = Linear(D, H, bias=False)
+        self.g_proj = Linear(D, P, bias=False)
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.empty(K))  # one gated-RMSNorm weight shared by every head
-        self.o_proj = nn.Linear(P, D, bias=False)
+        self.o_proj = Linear(P, D, bias=False)
 
     def _projections(self, x_TD: torch.Tensor):
         """The per-token inputs of the conv and the delta rule: pre-conv q, k, v [T, P]; g [T, H, K]; beta [T, H]."""

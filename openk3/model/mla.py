@@ -30,7 +30,7 @@ from torch import nn
 from openk3.config import K3TextConfig
 from openk3.model.batch import ForwardBatch, Mode
 from openk3.model.cache import MLACache
-from openk3.model.layers import RMSNorm
+from openk3.model.layers import Linear, RMSNorm
 from openk3.ops.attention.mla import absorbed_weights, mla_decode
 from openk3.ops.attention.ref import causal_attention
 
@@ -86,14 +86,14 @@ class GatedMLA(nn.Module):
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_rank = config.kv_lora_rank
         self.scale = (self.nope + self.rope) ** -0.5
-        self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(D, config.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, MLA_LORA_NORM_EPS)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, H * (self.nope + self.rope), bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(D, self.kv_rank + self.rope, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, H * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = Linear(D, self.kv_rank + self.rope, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_rank, MLA_LORA_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
-        self.g_proj = nn.Linear(D, H * self.v_dim, bias=False)
-        self.o_proj = nn.Linear(H * self.v_dim, D, bias=False)
+        self.kv_b_proj = Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
+        self.g_proj = Linear(D, H * self.v_dim, bias=False)
+        self.o_proj = Linear(H * self.v_dim, D, bias=False)
         self._absorbed: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def latent(self, x_TD: torch.Tensor) -> torch.Tensor:

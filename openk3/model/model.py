@@ -26,7 +26,7 @@ from openk3.model.batch import ForwardBatch
 from openk3.model.cache import K3Cache
 from openk3.model.hf import load_pretrained, save_pretrained
 from openk3.model.kda import KimiDeltaAttention
-from openk3.model.layers import DenseMLP, RMSNorm
+from openk3.model.layers import DenseMLP, Linear, RMSNorm
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import StableLatentMoE, moe_layer_indices
 from openk3.ops.sampling import sample
@@ -138,7 +138,7 @@ class K3ForCausalLM(nn.Module):
         self.config = config
         text = config.text_config
         self.model = K3Model(text)
-        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.lm_head = Linear(text.hidden_size, text.vocab_size, bias=False)
 
     @property
     def text_config(self):

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from openk3.config import K3TextConfig
-from openk3.model.layers import DenseMLP, RMSNorm
+from openk3.model.layers import DenseMLP, Linear, RMSNorm
+from openk3.ops import dispatch
 from openk3.ops.moe.route import route_replay, route_topk, router_scores
 from openk3.ops.situ import situ_glu
 
@@ -52,8 +53,8 @@ class GroupedExperts(nn.Module):
         self.beta, self.linear_beta = beta, linear_beta
 
     def expert_forward(self, e: int, z_nL: torch.Tensor) -> torch.Tensor:
-        h = situ_glu(z_nL @ self.w1[e].t(), z_nL @ self.w3[e].t(), self.beta, self.linear_beta)
-        return h @ self.w2[e].t()
+        h = situ_glu(dispatch.linear(z_nL, self.w1[e]), dispatch.linear(z_nL, self.w3[e]), self.beta, self.linear_beta)
+        return dispatch.linear(h, self.w2[e])
 
 
 def combine_topk(out_PL: torch.Tensor, w_Tk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -68,14 +69,40 @@ def combine_topk(out_PL: torch.Tensor, w_Tk: torch.Tensor, dtype: torch.dtype) -
     return y_TL.to(dtype)
 
 
+# The most weight bytes `gathered_dispatch` may copy in one call. Gathering copies each pair's three expert matrices:
+# a few KiB in the tiny models, where saving ops wins, but 12 MiB per layer per token in a 1024-wide model (4 experts
+# x 3 x 512 x 512 fp32), where the copy cost more than the matmuls (issue 17: 46% of a CPU decode step).
+GATHER_MAX_BYTES = 2**20
+# Up to this many tokens (decode, speculative verify of a few sequences) run the fused CPU kernel per token where it
+# applies (`ops.dispatch.fused_experts`); more tokens share experts, which grouping reads once.
+FUSED_MAX_TOKENS = 8
+
+
 def local_dispatch(z_TL: torch.Tensor, idx_Tk: torch.Tensor, w_Tk: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
-    """Group tokens by expert, run each expert once on its rows, then add each token's k weighted outputs in fp32,
-    in ascending expert id (the order `route_topk` returns). With fewer (token, expert) pairs than experts (decode,
-    speculative verify) each pair instead gets its expert's weights gathered and all pairs run as one batched
-    matmul: a handful of ops instead of a few per touched expert. The two agree to rounding (tested)."""
-    if idx_Tk.numel() < experts.w1.shape[0]:
+    """Group tokens by expert, run each expert once on its rows (the weights as views), then add each token's k
+    weighted outputs in fp32, in ascending expert id (the order `route_topk` returns). With fewer (token, expert)
+    pairs than experts (decode, speculative verify) and small experts, each pair instead gets its expert's weights
+    gathered and all pairs run as one batched matmul: a handful of ops instead of a few per touched expert. The two
+    agree to rounding (tested)."""
+    if 0 < idx_Tk.shape[0] <= FUSED_MAX_TOKENS:  # decode, small verify batches: the fused CPU kernel if it applies
+        fused = dispatch.fused_experts(z_TL[:1], [experts.w1, experts.w3, experts.w2])
+        if fused is not None:
+            return fused_dispatch(fused, z_TL, idx_Tk, w_Tk, experts)
+    w1 = experts.w1
+    gather_bytes = idx_Tk.numel() * 3 * w1[0].numel() * w1.element_size()
+    if idx_Tk.numel() < w1.shape[0] and gather_bytes <= GATHER_MAX_BYTES:
         return gathered_dispatch(z_TL, idx_Tk, w_Tk, experts)
     return grouped_dispatch(z_TL, idx_Tk, w_Tk, experts)
+
+
+def fused_dispatch(fused, z_TL, idx_Tk, w_Tk, experts: GroupedExperts) -> torch.Tensor:
+    """Token by token, its k experts in one call of `fused` (`ops.cpu_kernels.experts`: the same roundings as
+    `expert_forward` + `combine_topk`, the weights read as views, nothing gathered or grouped)."""
+    rows = []
+    for t, ids in enumerate(idx_Tk.tolist()):
+        w1s, w3s, w2s = [experts.w1[e] for e in ids], [experts.w3[e] for e in ids], [experts.w2[e] for e in ids]
+        rows.append(fused(z_TL[t : t + 1], w1s, w3s, w2s, w_Tk[t], experts.beta, experts.linear_beta))
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 def grouped_dispatch(z_TL, idx_Tk, w_Tk, experts: GroupedExperts) -> torch.Tensor:
@@ -123,10 +150,10 @@ class StableLatentMoE(nn.Module):
         self.scaling = config.routed_scaling_factor
         beta, lin = config.activation_situ_beta, config.activation_situ_linear_beta
         self.gate = MoEGate(D, config.num_experts)
-        self.routed_expert_down_proj = nn.Linear(D, Lt, bias=False)
+        self.routed_expert_down_proj = Linear(D, Lt, bias=False)
         self.experts = GroupedExperts(config.num_experts, Lt, config.moe_intermediate_size, beta, lin)
         self.routed_expert_norm = RMSNorm(Lt, config.rms_norm_eps)
-        self.routed_expert_up_proj = nn.Linear(Lt, D, bias=False)
+        self.routed_expert_up_proj = Linear(Lt, D, bias=False)
         self.shared_experts = (
             DenseMLP(D, config.shared_intermediate_size, beta, lin) if config.num_shared_experts > 0 else None
         )

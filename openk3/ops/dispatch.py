@@ -7,13 +7,21 @@ Owns `select`, `use_impl` and the dispatched entry points `kda_chunked` / `kda_s
 and triton are installed; "bf16" (opt-in, never chosen automatically) runs `ops.kda.chunk_bf16.kda_chunked_bf16`, the CPU op with bf16 tile operands, for
 bf16 inputs and "ref" for any other dtype. Nothing in `model/` checks devices; tests, benchmarks and users force
 an implementation with `use_impl`, e.g. `with use_impl("kda_chunked", "bf16"): model(...)` for a bf16 model on CPU.
+
+`linear` (every projection of the model, `model.layers.Linear`, and the routed experts): "ref" is `F.linear`;
+"gemv" (the CPU default) sends bf16 inputs of at most `ops.cpu_kernels.MAX_ROWS` rows without autograd (decode, verify,
+small batches) to the bf16 GEMV kernel of `ops.cpu_kernels` and everything else to `F.linear`. `experts` ("fused"
+on CPU, "ref" elsewhere): one decode token's routed experts, or a dense SiTU MLP, in one kernel call
+(`fused_experts` tells the model whether to use it).
 """
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 
+from openk3.ops import cpu_kernels
 from openk3.ops.kda import gpu
 from openk3.ops.kda.chunk import kda_chunked as kda_chunked_cpu
 from openk3.ops.kda.chunk_bf16 import kda_chunked_bf16
@@ -28,18 +36,31 @@ def _kda_chunked_bf16_tiles(q: torch.Tensor, *args, **kwargs):
     return (kda_chunked_bf16 if q.dtype == torch.bfloat16 else kda_chunked_cpu)(q, *args, **kwargs)
 
 
+def _linear_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The bf16 GEMV kernel where it applies (bf16, CPU, at most cpu_kernels.MAX_ROWS rows, no autograd), else torch's."""
+    if cpu_kernels.applies(x, weight) and cpu_kernels.available():
+        return cpu_kernels.linear_gemv(x, weight)
+    return F.linear(x, weight)
+
+
 IMPLS: dict[str, dict[str, Callable]] = {
     "kda_chunked": {"ref": kda_chunked_cpu, "fla": gpu.kda_chunked_fla, "bf16": _kda_chunked_bf16_tiles},
     "kda_step": {"ref": kda_step_cpu, "fla": gpu.kda_step_fla},
+    "linear": {"ref": F.linear, "gemv": _linear_gemv},
+    # A token's routed experts (and the dense SiTU MLPs) in one call; "ref" = the torch path in model/.
+    "experts": {"ref": None, "fused": cpu_kernels.experts},
 }
 _forced: dict[str, str] = {}
 
 
 def select(op: str, device: torch.device) -> str:
-    """The implementation name `op` uses for tensors on `device`: the forced one, else "fla" on CUDA when
-    available, else "ref"."""
+    """The implementation name `op` uses for tensors on `device`: the forced one, else for KDA "fla" on CUDA when
+    available, for linear "gemv" and experts "fused" on CPU (each falls back to its reference per call where it
+    does not apply), else "ref"."""
     if op in _forced:
         return _forced[op]
+    if op in ("linear", "experts"):
+        return ("gemv" if op == "linear" else "fused") if device.type == "cpu" else "ref"
     return "fla" if device.type == "cuda" and gpu.fla_available() else "ref"
 
 
@@ -67,6 +88,20 @@ def kda_chunked(q: torch.Tensor, *args, **kwargs):
 def kda_step(q: torch.Tensor, *args, **kwargs):
     """One decode token on a state (contract of `ops.kda.kda_step`)."""
     return IMPLS["kda_step"][select("kda_step", q.device)](q, *args, **kwargs)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` without bias; on CPU, bf16 decode-sized inputs go to the GEMV kernel (`ops.cpu_kernels`)."""
+    return IMPLS["linear"][select("linear", x.device)](x, weight)
+
+
+def fused_experts(z_TL: torch.Tensor, weights: list[torch.Tensor]):
+    """`ops.cpu_kernels.experts` when it is selected, applies to one token `z_TL` [1, L] and these expert matrices,
+    and is built; else None (the caller runs its torch path)."""
+    fn = IMPLS["experts"][select("experts", z_TL.device)]
+    if fn is None or not cpu_kernels.experts_apply(z_TL, weights) or not cpu_kernels.available():
+        return None
+    return fn
 
 
 def kda_verify(q_NGHK: torch.Tensor, *args) -> tuple[torch.Tensor, KDASteps]:

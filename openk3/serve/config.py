@@ -11,10 +11,14 @@ previous turn's output end).
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
+from openk3.utils import read_json
 
 # The HTTP server's per-request limits (`k3 serve` flags; docs/serving.md "Limits").
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # --max-body-bytes: larger bodies get 413 before they are read
@@ -22,6 +26,46 @@ DEFAULT_PREPROCESS_TIMEOUT_S = 30.0  # --preprocess-timeout: tokenizing + templa
 DEFAULT_MAX_IMAGES_PER_REQUEST = 8  # --max-images-per-request: image content parts in one chat request
 DEFAULT_MAX_IMAGE_PIXELS = 16 * 2**20  # --max-image-pixels: W x H of one image, checked from its header
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0  # --shutdown-timeout: SIGTERM drain before running requests are failed
+
+
+# vLLM's dtype names (its `_STR_DTYPE_TO_TORCH_DTYPE`, case-insensitive), plus "auto".
+VLLM_DTYPES = {"half": torch.float16, "float16": torch.float16, "float": torch.float32, "float32": torch.float32,
+               "bfloat16": torch.bfloat16}  # fmt: skip
+DTYPE_CHOICES = ("auto", *VLLM_DTYPES)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str | torch.dtype | None = None) -> torch.dtype | None:
+    """`LLM(dtype=...)` / `k3 serve --dtype` as vLLM reads them: a torch dtype (fp32, bf16, fp16), one of
+    `VLLM_DTYPES` (any case), or "auto": the checkpoint's config dtype (`config_dtype`, from config.json's "dtype" or
+    "torch_dtype"), with a float32 (or absent) one served as bfloat16, as vLLM's CPU platform resolves it (bf16 is
+    its preferred dtype). None, openk3's default, keeps each tensor's stored dtype (training checkpoints: fp32).
+    Anything else is a ValueError naming `dtype` and the accepted values."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype):
+        if dtype not in VLLM_DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not served; use torch.float32, torch.bfloat16 or torch.float16")
+        return dtype
+    if not isinstance(dtype, str) or dtype.lower() not in DTYPE_CHOICES:
+        raise ValueError(f"dtype {dtype!r} is not one of {list(DTYPE_CHOICES)} (vLLM's names) or a torch.dtype")
+    name = dtype.lower()
+    if name != "auto":
+        return VLLM_DTYPES[name]
+    if isinstance(config_dtype, str):
+        config_dtype = VLLM_DTYPES.get(config_dtype.removeprefix("torch.").lower())  # unknown names: as if absent
+    return torch.bfloat16 if config_dtype in (None, torch.float32) else config_dtype
+
+
+def checkpoint_dtype(path) -> str | None:
+    """The dtype a checkpoint's config.json declares ("dtype", else "torch_dtype"; the text config's if the top
+    level has none); None if it declares none."""
+    file = os.path.join(path, "config.json")
+    data = read_json(file) if os.path.isfile(file) else {}
+    for section in (data, data.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if isinstance(section.get(key), str):
+                return section[key]
+    return None
 
 
 @dataclass

@@ -56,7 +56,7 @@ from openk3.model.cache import cache_specs
 from openk3.model.model import K3ForCausalLM
 from openk3.model.multimodal import K3ForConditionalGeneration, placeholder_spans
 from openk3.ops.sampling import GREEDY_BELOW, sample_rows, sampling_probs_rows
-from openk3.serve.config import ServeConfig
+from openk3.serve.config import ServeConfig, checkpoint_dtype, resolve_dtype
 from openk3.serve.kv.manager import KVCacheManager
 from openk3.serve.kv.routes import ROUTE_DTYPE, num_moe_layers
 from openk3.serve.protocol import chat_request
@@ -530,17 +530,23 @@ class LLM:
     """Offline generation: `LLM(checkpoint_dir_or_model, **engine_options).generate(prompts, SamplingParams(...))`."""
 
     def __init__(self, model: str | os.PathLike | K3ForCausalLM | K3ForConditionalGeneration, tokenizer=None,
-                 dtype: torch.dtype | None = None, device: str | torch.device = "cpu", **options):  # fmt: skip
+                 dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu", **options):  # fmt: skip
+        """`dtype` as vLLM takes it (`resolve_dtype`: "auto", "bfloat16", "float32", "half", ..., or a torch dtype);
+        None (the default) keeps the stored dtypes. A model object is converted in place when a dtype is given
+        ("auto" leaves it as it is)."""
         self.checkpoint = None
         media_proc_cfg = None
         if isinstance(model, (str, os.PathLike)):
             self.checkpoint = model
+            dtype = resolve_dtype(dtype, checkpoint_dtype(model) if dtype == "auto" else None)
             if K3Config.from_pretrained(model).vision_config is not None:
                 model = K3ForConditionalGeneration.from_pretrained(model, dtype=dtype, device=device)
                 media_proc_cfg = load_media_proc_cfg(self.checkpoint)
             else:
                 model = K3ForCausalLM.from_pretrained(model, dtype=dtype, device=device)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(self.checkpoint, model.text_config)
+        elif dtype is not None and not (isinstance(dtype, str) and dtype.lower() == "auto"):
+            model.to_dtype(resolve_dtype(dtype))
         self.engine = LLMEngine(model, tokenizer, ServeConfig.from_options(**options), media_proc_cfg)
         self._chat_template = None
 

@@ -18,5 +18,5 @@ def test_help_shows_defaults_and_choices():
     assert "(default: None)" not in text and "(default: False)" not in text
     assert "(default: runs/tiny)" not in text  # --out is required: no default to show
     init = _help("init")
-    assert "--preset {k3,small,tiny} (default: tiny)" in init and "--seed SEED (default: 0)" in init
+    assert "--preset {k3,medium,small,tiny} (default: tiny)" in init and "--seed SEED (default: 0)" in init
     assert "(default: None)" not in init

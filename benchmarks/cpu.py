@@ -1,0 +1,616 @@
+"""`k3 bench cpu` (or `python benchmarks/cpu.py`): openk3's CPU inference against llama.cpp on the same checkpoint
+(issue 17 item 4), both measured in one run, interleaved, and written to benchmarks/results/cpu.{json,md}.
+
+- the checkpoint: `--ckpt DIR`, or a random `k3 init --preset medium` (418M total, 243M active: 1024 wide, 16 layers,
+  16 experts top-4) cached in runs/bench-cpu/medium; its `k3 export --format gguf` files (f32 and bf16) are cached
+  in runs/bench-cpu/ and re-exported when the checkpoint is newer;
+- per dtype (fp32, bf16), in rounds that alternate the sides (and which side goes first): prefill tok/s of one
+  512-token sequence (one engine step / one llama eval) and batch-1 decode tok/s over 128 single-token steps after a
+  32-token prompt; median and spread (min, max) per side. openk3 runs through its serving engine (`LLMEngine`,
+  greedy, prefix caching off), llama.cpp through llama-cpp-python with the same thread count;
+- this machine: the read and copy bandwidth of a 1 GiB random fp32 buffer, the matmul rate, and the bandwidth bound
+  of a decode token: the weight bytes one token reads (every non-expert matrix and the LM head, the top-k routed
+  experts of every MoE layer, one embedding row) over the read bandwidth;
+- fidelity: llama.cpp's fp32 logits against openk3's (`llamacpp_fidelity.logits_rel_rms`);
+- a torch.profiler breakdown of openk3's decode step per dtype (decode_profile.py): ops grouped into categories, the
+  top ops, and the Python/dispatch time (wall minus the ops' summed self time).
+
+OMP_WAIT_POLICY: llama.cpp's OpenMP threads (and torch's) spin at barriers and between parallel regions, which on a
+busy machine takes cores from everyone. With `--omp-wait-policy auto` (the default) the run uses `passive` when the
+1-minute load average exceeds 0.5 before it starts, else the runtimes' defaults; the variable is read when the
+OpenMP runtimes load, so the process re-executes itself with it set. A run called in-process (tests) cannot change
+it and records that.
+
+Without llama_cpp (or with `--no-llamacpp`) openk3's side runs alone and llama.cpp's columns read "not measured".
+
+Legend: T threads; tok/s tokens per second; a round is one prefill and one decode measurement per side and dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import os
+import re
+import resource
+import shutil
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from decode_profile import CATEGORIES, profile_decode
+from report import load_info, machine_info, measure_matmul, targets_table, write_report
+
+from openk3.data.tokenizer import NUM_SPECIAL_TOKENS, load_tokenizer
+from openk3.serve.config import ServeConfig
+from openk3.serve.engine import LLMEngine
+from openk3.serve.request import SamplingParams
+from openk3.train.checkpoint import load_model
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+OUTTYPES = {"fp32": "f32", "bf16": "bf16"}
+PROMPT_TOKENS = 32  # the decode measurement's prompt
+ID_LIMIT = 30000  # random ids stay below it (and below the base vocabulary: no special ids)
+CACHE_DIR = os.path.join("runs", "bench-cpu")
+REEXEC_MARK = "K3_BENCH_CPU_LOAD_BEFORE"  # set when the run re-executes itself: the load the first process saw
+LLAMA_INSTALL = ('pip install -e ".[bench]" (llama-cpp-python>=0.3.36, a build with the kimi-k3 architecture; it '
+                 "compiles llama.cpp from source: a C++ compiler and cmake, several minutes)")  # fmt: skip
+PROFILE_STEPS = 10  # --quick: 2 (reading the profiler's events back is slow: decode_profile.py)
+TARGETS = {"decode": 0.8, "prefill": 1.0, "bound": 1.5, "rel_rms": 1e-5}
+
+
+# ---- OMP_WAIT_POLICY -----------------------------------------------------------------------------------------
+def omp_policy(requested: str, load1: float) -> str | None:
+    """The OMP_WAIT_POLICY the run needs: `requested` unless "auto"; auto: "passive" when the 1-minute load average
+    exceeds 0.5 (someone else uses the cores: spinning threads would take their time, and theirs ours), else None
+    (the runtimes' defaults)."""
+    if requested != "auto":
+        return requested
+    return "passive" if load1 > 0.5 else None
+
+
+def launched_here(argv: list[str] | None) -> bool:
+    """Whether this main() is the process's program (`python benchmarks/cpu.py ...` or `k3 bench cpu ...`), so it
+    may re-execute it; a test calling main(argv) in-process may not."""
+    return argv is None or (sys.argv[1:3] == ["bench", "cpu"] and sys.argv[3:] == list(argv))
+
+
+def ensure_omp_policy(requested: str, argv: list[str] | None) -> dict:
+    """Re-execute the process with OMP_WAIT_POLICY set when the policy the run needs differs from the environment's
+    (the OpenMP runtimes of torch and llama.cpp read it when they load, before this code runs); returns the record."""
+    mark = os.environ.pop(REEXEC_MARK, None)
+    load1 = float(mark) if mark is not None else os.getloadavg()[0]
+    wanted = omp_policy(requested, load1)
+    current = os.environ.get("OMP_WAIT_POLICY")
+    info = {"requested": requested, "load1_at_decision": load1, "wanted": wanted, "reexecuted": mark is not None,
+            "policy": current or "unset (the runtimes' defaults)", "applied": True}  # fmt: skip
+    if wanted is None or (current or "").lower() == wanted:
+        return info
+    if mark is not None or not launched_here(argv):
+        info["applied"] = False
+        info["note"] = (f"wanted OMP_WAIT_POLICY={wanted} but this process's OpenMP runtimes are already loaded "
+                        "(called in-process); the run keeps the environment's setting")  # fmt: skip
+        print(f"warning: {info['note']}", flush=True)
+        return info
+    print(f"re-executing with OMP_WAIT_POLICY={wanted} (load {load1:.2f}, --omp-wait-policy {requested})", flush=True)
+    os.environ["OMP_WAIT_POLICY"] = wanted
+    os.environ[REEXEC_MARK] = repr(load1)
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    raise AssertionError("os.execv returned")
+
+
+# ---- checkpoint and GGUF cache ---------------------------------------------------------------------------------
+def cached_checkpoint(preset: str) -> str:
+    """runs/bench-cpu/PRESET: a random `k3 init --preset PRESET` checkpoint, written once (to a temporary folder
+    renamed into place, so an interrupted init is never reused)."""
+    from openk3.cli import main as k3
+
+    path = os.path.join(CACHE_DIR, preset)
+    if os.path.exists(os.path.join(path, "config.json")):
+        print(f"checkpoint: {path} (cached)", flush=True)
+        return path
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # an interrupted init's leftovers
+    if k3(["init", "--preset", preset, "--out", tmp]) != 0:
+        raise RuntimeError(f"k3 init --preset {preset} failed")
+    os.replace(tmp, path)
+    return path
+
+
+def cached_gguf(ckpt: str, outtype: str, fp32_model) -> str:
+    """The checkpoint's `k3 export --format gguf --outtype OUTTYPE` file in runs/bench-cpu/, exported again when
+    missing or older than a file of the checkpoint. `fp32_model()` gives the model to export (the checkpoint in
+    fp32: what `k3 export` writes from a stored-fp32 checkpoint, and the same values from a bf16 one)."""
+    from openk3.export import export_gguf
+
+    folder = os.path.abspath(ckpt)
+    tag = hashlib.sha1(folder.encode()).hexdigest()[:8]
+    path = os.path.join(CACHE_DIR, f"{os.path.basename(folder)}-{tag}-{outtype}.gguf")
+    newest = max(os.path.getmtime(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
+    if os.path.exists(path) and os.path.getmtime(path) >= newest:
+        print(f"gguf {outtype}: {path} (cached)", flush=True)
+        return path
+    os.makedirs(CACHE_DIR, exist_ok=True)
+    model = fp32_model()
+    t0 = time.perf_counter()
+    export_gguf(model, load_tokenizer(ckpt, model.text_config), path, outtype=outtype, name=os.path.basename(folder))
+    print(f"gguf {outtype}: exported {ckpt} to {path} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return path
+
+
+def random_ids(n: int, seed: int, limit: int) -> list[int]:
+    return torch.randint(0, limit, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---- the two sides ---------------------------------------------------------------------------------------------
+class Openk3Side:
+    """openk3's serving engine, one request at a time (prefix caching off: every round recomputes)."""
+
+    name = "openk3"
+
+    def __init__(self, model, prefill_tokens: int, decode_tokens: int):
+        # The profile's request runs 2 * PROFILE_STEPS + 4 tokens past its prompt.
+        longest = max(prefill_tokens, PROMPT_TOKENS + max(decode_tokens, 2 * PROFILE_STEPS + 4))
+        self.engine = LLMEngine(model, None, ServeConfig.from_options(
+            max_model_len=longest + 8, max_num_seqs=1, max_num_batched_tokens=max(2048, prefill_tokens),
+            enable_prefix_caching=False))  # fmt: skip
+
+    def add(self, ids: list[int], max_tokens: int) -> None:
+        self.engine.add_request({"prompt_token_ids": ids},
+                                SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))  # fmt: skip
+
+    def _finish(self, outs, n: int) -> None:
+        """The request ended after exactly n tokens (a failed step would end it early and time nothing)."""
+        out = outs[-1].outputs[0] if outs else None
+        if out is None or not outs[-1].finished or len(out.token_ids) != n or out.finish_reason != "length":
+            raise RuntimeError(f"openk3's request did not produce its {n} tokens: {out}")
+
+    def prefill(self, ids: list[int]) -> float:
+        """Seconds of the one step that prefills `ids` and samples the first token."""
+        self.add(ids, 1)
+        t0 = time.perf_counter()
+        outs = self.engine.step()
+        seconds = time.perf_counter() - t0
+        self._finish(outs, 1)
+        return seconds
+
+    def decode(self, prompt: list[int], feed: list[int]) -> list[float]:
+        """Seconds of each of len(feed) single-token steps after the prompt's prefill (the engine feeds back its
+        own greedy tokens; `feed` only sets the count)."""
+        self.add(prompt, len(feed) + 1)
+        outs = self.engine.step()  # the prefill and the first token
+        times = []
+        for _ in feed:
+            t0 = time.perf_counter()
+            outs = self.engine.step()
+            times.append(time.perf_counter() - t0)
+        self._finish(outs, len(feed) + 1)
+        return times
+
+    def close(self) -> None:
+        pass
+
+
+class LlamaSide:
+    """llama.cpp through llama-cpp-python: `eval` of the ids (the KV cache and KDA state reset first)."""
+
+    name = "llama.cpp"
+
+    def __init__(self, llama_cpp, path: str, threads: int, prefill_tokens: int, decode_tokens: int):
+        batch = max(512, prefill_tokens)
+        n_ctx = max(1024, prefill_tokens + 8, PROMPT_TOKENS + decode_tokens + 8)
+        self.settings = {"n_ctx": n_ctx, "n_batch": batch, "n_ubatch": batch, "n_threads": threads,
+                         "n_threads_batch": threads, "logits_all": False}  # fmt: skip
+        self.llm = llama_cpp.Llama(model_path=path, verbose=False, **self.settings)
+
+    def prefill(self, ids: list[int]) -> float:
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(ids)
+        return time.perf_counter() - t0
+
+    def decode(self, prompt: list[int], feed: list[int]) -> list[float]:
+        self.llm.reset()
+        self.llm.eval(prompt)
+        times = []
+        for token in feed:
+            t0 = time.perf_counter()
+            self.llm.eval([token])
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def import_llama_cpp(disabled: bool):
+    """(llama_cpp module or None, why not)."""
+    if disabled:
+        return None, "not measured (--no-llamacpp)"
+    try:
+        import llama_cpp
+    except ImportError:
+        print(f"llama_cpp is not installed: llama.cpp's side is not measured. Install it with {LLAMA_INSTALL}",
+              flush=True)  # fmt: skip
+        return None, f"not measured (llama_cpp not installed: {LLAMA_INSTALL})"
+    version = tuple(int(x) for x in re.findall(r"\d+", llama_cpp.__version__)[:3])
+    if version < (0, 3, 36):
+        why = (f"not measured (llama-cpp-python {llama_cpp.__version__} predates the kimi-k3 architecture: "
+               f"{LLAMA_INSTALL})")  # fmt: skip
+        print(why, flush=True)
+        return None, why
+    return llama_cpp, None
+
+
+# ---- this machine ----------------------------------------------------------------------------------------------
+def measure_bandwidth(gib: float, repeats: int = 5) -> dict:
+    """Read (`.sum()`) and copy rates of a `gib` GiB fp32 buffer of random values (written, so its pages are real),
+    best and median of `repeats`, in GB/s; copy counts the bytes read plus the bytes written."""
+    x = torch.rand(int(gib * 2**30) // 4)
+    y = torch.empty_like(x)
+    y.copy_(x)  # fault the destination's pages in before timing
+    nbytes = x.numel() * 4
+
+    def rates(fn, moved: int) -> list[float]:
+        out = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            out.append(moved / (time.perf_counter() - t0) / 1e9)
+        return out
+
+    read = rates(x.sum, nbytes)
+    copy = rates(functools.partial(y.copy_, x), 2 * nbytes)
+    return {"buffer_gib": gib, "repeats": repeats, "read_gbs": max(read), "read_gbs_median": statistics.median(read),
+            "copy_gbs": max(copy), "copy_gbs_median": statistics.median(copy)}  # fmt: skip
+
+
+def active_weight_bytes(model) -> dict[str, int]:
+    """The bytes of every weight one decode token reads, by part: each non-expert matrix, norm and bias (at its
+    stored dtype), the LM head, the top-k of E routed experts' w1/w2/w3 in every MoE layer (k/E of each stacked
+    tensor), and one row of the embedding table (the whole table when tied to the LM head)."""
+    text = model.text_config
+    mla = set(text.linear_attn_config.full_attn_layers)  # 1-based
+    k, E = text.num_experts_per_token, text.num_experts
+    embed = model.model.embed_tokens.weight
+    tied = model.lm_head.weight is embed
+    parts: dict[str, int] = defaultdict(int)
+    for name, p in model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if p is embed:
+            part, nbytes = ("lm_head (tied embedding)", nbytes) if tied else ("embedding (one row)", nbytes // len(p))
+        elif name.startswith("lm_head."):
+            part = "lm_head"
+        elif layer is None:
+            part = "final norm and output AttnRes"
+        elif ".shared_experts." in name:
+            part = "MoE shared experts"
+        elif ".experts." in name:
+            part, nbytes = f"MoE routed experts (top-{k} of {E})", nbytes * k // E
+        elif ".block_sparse_moe." in name:
+            part = "MoE router, latent down/up and norm"
+        elif ".mlp." in name:
+            part = "dense MLP"
+        elif ".self_attn." in name:
+            part = "MLA attention" if int(layer.group(1)) + 1 in mla else "KDA attention"
+        else:
+            part = "layer norms and AttnRes"
+        parts[part] += nbytes
+    return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
+
+
+def state_bytes(text) -> int:
+    """Not in the bound: the fp32 KDA state every token reads and writes (heads x K x V per KDA layer, twice)."""
+    la = text.linear_attn_config
+    return 2 * len(la.kda_layers) * la.num_heads * la.head_dim**2 * 4
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def run_rounds(sides: dict[str, list], args, id_limit: int) -> list[dict]:
+    """args.rounds rounds; in each, per dtype, both sides' prefill then both sides' decode, the first side
+    alternating between rounds."""
+    rows = []
+    for r in range(args.rounds):
+        ids = random_ids(args.prefill_tokens, 100 + r, id_limit)
+        prompt, feed = random_ids(PROMPT_TOKENS, 200 + r, id_limit), random_ids(args.decode_tokens, 300 + r, id_limit)
+        for dtype, pair in sides.items():
+            order = pair if r % 2 == 0 else pair[::-1]
+            cells = {
+                side.name: {"round": r, "dtype": dtype, "side": side.name, "first": order[0].name} for side in pair
+            }
+            for side in order:
+                seconds = side.prefill(ids)
+                cells[side.name].update(prefill_s=seconds, prefill_tok_s=len(ids) / seconds)
+            for side in order:
+                times = side.decode(prompt, feed)
+                cells[side.name].update(decode_s=sum(times), decode_tok_s=len(times) / sum(times),
+                                        decode_ms_median=1e3 * statistics.median(times),
+                                        decode_step_ms=[round(1e3 * t, 3) for t in times])  # fmt: skip
+            for c in cells.values():
+                print(f"round {r + 1}/{args.rounds} {dtype} {c['side']:9s}: prefill {c['prefill_tok_s']:8.1f} tok/s "
+                      f"({c['prefill_s']:.3f} s), decode {c['decode_tok_s']:7.2f} tok/s "
+                      f"({c['decode_ms_median']:.1f} ms/step median)", flush=True)  # fmt: skip
+            rows += cells.values()
+    return rows
+
+
+def summarize(rows: list[dict], dtypes: list[str], llama_ran: bool, bound: dict) -> dict:
+    out = {}
+    for dtype in dtypes:
+        cell = {}
+        for side in ("openk3", "llama.cpp") if llama_ran else ("openk3",):
+            mine = [r for r in rows if r["dtype"] == dtype and r["side"] == side]
+            cell[side] = {"prefill_tok_s": spread([r["prefill_tok_s"] for r in mine]),
+                          "decode_tok_s": spread([r["decode_tok_s"] for r in mine])}  # fmt: skip
+            cell[side]["decode_ms_per_token"] = 1e3 / cell[side]["decode_tok_s"]["median"]
+            cell[side]["decode_over_bound"] = cell[side]["decode_ms_per_token"] / bound[dtype]["ms_per_token"]
+        if llama_ran:
+            ours, theirs = cell["openk3"], cell["llama.cpp"]
+            cell["decode_ratio"] = ours["decode_tok_s"]["median"] / theirs["decode_tok_s"]["median"]
+            cell["prefill_ratio"] = ours["prefill_tok_s"]["median"] / theirs["prefill_tok_s"]["median"]
+        out[dtype] = cell
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="k3 bench cpu", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", help="checkpoint folder (default: a random --preset checkpoint cached in runs/bench-cpu)")
+    p.add_argument("--preset", default="medium", help="preset of the default checkpoint (tiny: a smoke run)")
+    p.add_argument("--threads", type=int, default=None, help="threads of both sides (default: every core)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--decode-tokens", type=int, default=128, help=f"decode steps after a {PROMPT_TOKENS}-token prompt")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    p.add_argument("--omp-wait-policy", choices=["auto", "passive", "active"], default="auto",
+                   help="OMP_WAIT_POLICY of both sides; auto: passive when the load average before the run is above "
+                        "0.5, else the runtimes' defaults (the process re-executes itself to set it)")  # fmt: skip
+    p.add_argument("--no-llamacpp", action="store_true", help="openk3's side only (llama.cpp's: not measured)")
+    p.add_argument(
+        "--out-dir",
+        default=None,
+        help="where cpu.json and cpu.md go (default: benchmarks/results; "
+        "runs/bench for a preset other than medium, so a smoke run never replaces the committed results)",
+    )
+    p.add_argument("--quick", action="store_true", help="for the smoke test: short machine measurements (a 256 "
+                   "MiB buffer, a 0.05 s matmul) and a 2-step profile")  # fmt: skip
+    args = p.parse_args(argv)
+    dtypes = args.dtypes.split(",")
+    if unknown := [d for d in dtypes if d not in DTYPES]:
+        raise ValueError(f"--dtypes: unknown {unknown}; choose from {list(DTYPES)}")
+    for name in ("rounds", "prefill_tokens", "decode_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    omp = ensure_omp_policy(args.omp_wait_policy, argv)
+    out_dir = args.out_dir or ("benchmarks/results" if args.preset == "medium" else "runs/bench")
+    threads = args.threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(threads)
+    load_before = os.getloadavg()
+    result: dict = {"machine": machine_info(), "args": vars(args), "threads": threads, "omp_wait_policy": omp,
+                    "loadavg_before": load_before}  # fmt: skip
+    print(f"threads {threads}, OMP_WAIT_POLICY {omp['policy']}, load before {load_before}", flush=True)
+    llama_cpp, not_measured = import_llama_cpp(args.no_llamacpp)
+    result["llamacpp"] = {"measured": llama_cpp is not None, "why_not": not_measured}
+
+    result["bandwidth"] = measure_bandwidth(0.25 if args.quick else 1.0)
+    result["matmul_gflops"] = measure_matmul(args.quick, [DTYPES[d] for d in dtypes])
+    print(
+        f"bandwidth: read {result['bandwidth']['read_gbs']:.1f} GB/s, copy {result['bandwidth']['copy_gbs']:.1f} "
+        f"GB/s; matmul {', '.join(f'{k} {v:.0f}' for k, v in result['matmul_gflops'].items())} GFLOP/s",
+        flush=True,
+    )
+
+    ckpt = args.ckpt or cached_checkpoint(args.preset)
+    result["checkpoint"] = ckpt
+    models = {d: load_model(ckpt, dtype=DTYPES[d])[0].eval() for d in dtypes}
+    text = next(iter(models.values())).text_config
+    base = text.vocab_size - NUM_SPECIAL_TOKENS if text.vocab_size > 2 * NUM_SPECIAL_TOKENS else text.vocab_size
+    id_limit = min(ID_LIMIT, base)
+    total, active = next(iter(models.values())).num_parameters()
+    result["model"] = {"total_parameters": total, "active_parameters": active, "hidden_size": text.hidden_size,
+                       "layers": text.num_hidden_layers, "experts": text.num_experts,
+                       "experts_per_token": text.num_experts_per_token, "vocab_size": text.vocab_size,
+                       "id_limit": id_limit}  # fmt: skip
+
+    bound = {}
+    for d, model in models.items():
+        parts = active_weight_bytes(model)
+        nbytes = sum(parts.values())
+        ms = 1e3 * nbytes / (result["bandwidth"]["read_gbs"] * 1e9)
+        bound[d] = {
+            "bytes": nbytes,
+            "parts": parts,
+            "ms_per_token": ms,
+            "kda_state_bytes_not_counted": state_bytes(text),
+        }
+        print(f"decode bound {d}: {nbytes / 1e6:.1f} MB of weights per token / {result['bandwidth']['read_gbs']:.1f} "
+              f"GB/s = {bound[d]['ms_per_token']:.2f} ms/token", flush=True)  # fmt: skip
+        for part, b in parts.items():
+            print(f"  {part}: {b / 1e6:.2f} MB", flush=True)
+    result["bound"] = bound
+
+    sides = {d: [Openk3Side(models[d], args.prefill_tokens, args.decode_tokens)] for d in dtypes}
+    if llama_cpp is not None:
+        fp32_model = lambda: models["fp32"] if "fp32" in models else load_model(ckpt, dtype=torch.float32)[0]
+        ggufs = {d: cached_gguf(ckpt, OUTTYPES[d], fp32_model) for d in dtypes}
+        result["gguf"] = ggufs
+        for d in dtypes:
+            sides[d].append(LlamaSide(llama_cpp, ggufs[d], threads, args.prefill_tokens, args.decode_tokens))
+        result["llamacpp"].update(version=llama_cpp.__version__, settings=sides[dtypes[0]][1].settings,
+                                  system_info=llama_cpp.llama_print_system_info().decode().strip())  # fmt: skip
+    warm = random_ids(PROMPT_TOKENS, 0, id_limit)
+    for pair in sides.values():  # first calls allocate, pick kernels for the shapes and page weights in: untimed
+        for side in pair:
+            side.prefill(random_ids(args.prefill_tokens, 1, id_limit))
+            side.decode(warm, warm[:4])
+
+    result["rounds"] = run_rounds(sides, args, id_limit)
+    result["summary"] = summarize(result["rounds"], dtypes, llama_cpp is not None, bound)
+    result["profile"] = {}
+    for d in dtypes:
+        result["profile"][d] = prof = profile_decode(sides[d][0].engine, warm, 2 if args.quick else PROFILE_STEPS)
+        print(f"profile {d}: {prof['ms_per_step_unprofiled']:.1f} ms/step; ops "
+              + ", ".join(f"{k} {v:.1f}" for k, v in prof["categories_ms_per_step"].items())
+              + f" ms; overhead {prof['overhead_ms_per_step']:.1f} ms", flush=True)  # fmt: skip
+    for pair in sides.values():
+        for side in pair:
+            side.close()
+    if llama_cpp is not None:
+        from llamacpp_fidelity import logits_rel_rms
+
+        fp32_gguf = result["gguf"].get("fp32") or cached_gguf(ckpt, "f32", lambda: load_model(ckpt, torch.float32)[0])
+        del models, sides
+        result["fidelity"] = logits_rel_rms(ckpt, fp32_gguf, n_tokens=64, seed=0, n_threads=threads)
+        print(f"fidelity: logits relative RMS {result['fidelity']['rel_rms']:.2e}, top-1 agreement "
+              f"{result['fidelity']['top1_agree']:.0%}", flush=True)  # fmt: skip
+    result["loadavg_after"] = os.getloadavg()
+    result["machine"]["load_after"] = load_info()
+    result["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    result["targets"] = evaluate_targets(result, dtypes, args)
+    write_report(result, os.path.join(out_dir, "cpu"), markdown(result, dtypes, args))
+    return 0
+
+
+# ---- targets and report ----------------------------------------------------------------------------------------
+def evaluate_targets(r: dict, dtypes: list[str], args) -> list[dict]:
+    why = r["llamacpp"]["why_not"]
+    targets = []
+    for key, what in (
+        ("decode", f"batch 1, {args.decode_tokens} tokens"),
+        ("prefill", f"{args.prefill_tokens} tokens"),
+    ):
+        floor = TARGETS[key]
+        for d in dtypes:
+            s = r["summary"][d]
+            ours = s["openk3"][f"{key}_tok_s"]["median"]
+            if why:
+                measured, met = f"openk3 {ours:.1f} tok/s; llama.cpp {why}", None
+            else:
+                ratio = s[f"{key}_ratio"]
+                measured = (f"openk3 {ours:.1f} vs llama.cpp {s['llama.cpp'][f'{key}_tok_s']['median']:.1f} tok/s: "
+                            f"{ratio:.2f}x")  # fmt: skip
+                met = ratio >= floor
+            targets.append({"target": f"{key} tok/s openk3 >= {floor}x llama.cpp ({d}, {what})", "measured": measured,
+                            "met": met})  # fmt: skip
+    for d in dtypes:
+        s, b = r["summary"][d]["openk3"], r["bound"][d]
+        targets.append({"target": f"openk3 decode time per token <= {TARGETS['bound']}x the bandwidth bound ({d})",
+                        "measured": f"{s['decode_ms_per_token']:.1f} ms vs {b['ms_per_token']:.1f} ms "
+                                    f"({b['bytes'] / 1e6:.0f} MB at {r['bandwidth']['read_gbs']:.1f} GB/s): "
+                                    f"{s['decode_over_bound']:.2f}x",
+                        "met": s["decode_over_bound"] <= TARGETS["bound"]})  # fmt: skip
+    f = r.get("fidelity")
+    targets.append({"target": f"logits relative RMS llama.cpp vs openk3 <= {TARGETS['rel_rms']:g} (fp32, f32 KV cache, "
+                              "flash attention off)",
+                    "measured": f"{f['rel_rms']:.2e} (top-1 agreement {f['top1_agree']:.0%}, {f['n_tokens']} tokens)"
+                                if f else why,
+                    "met": f["rel_rms"] <= TARGETS["rel_rms"] if f else None})  # fmt: skip
+    return targets
+
+
+def markdown(r: dict, dtypes: list[str], args) -> str:
+    m, omp, bw, model = r["machine"], r["omp_wait_policy"], r["bandwidth"], r["model"]
+    llama = r["llamacpp"]
+    if llama["measured"]:
+        call = ", ".join(f"{k}={v}" for k, v in llama["settings"].items())
+        llama_line = f"llama-cpp-python {llama['version']}, `Llama({call})`"
+    else:
+        llama_line = llama["why_not"]
+    reexec = ", set by re-executing the process" if omp["reexecuted"] else ""
+    lines = [
+        "# CPU inference: openk3 vs llama.cpp (`k3 bench cpu`)", "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {r['threads']} thread(s) on both sides.  ",
+        (f"Load average before / after: {' '.join(f'{x:.2f}' for x in r['loadavg_before'])} / "
+        f"{' '.join(f'{x:.2f}' for x in r['loadavg_after'])} (`{m['load_before']}` / `{m['load_after']}`).  "),
+        (f"OMP_WAIT_POLICY: **{omp['policy']}** (`--omp-wait-policy {omp['requested']}`, 1-minute load "
+        f"{omp['load1_at_decision']:.2f} at the decision{reexec}"
+        f"{'; ' + omp['note'] if not omp['applied'] else ''}). With auto, the run uses passive when the load average "
+        "before it exceeds 0.5: llama.cpp's (and torch's) OpenMP threads spin at barriers, which on a shared machine "
+        "steals time from the other side and from other users.  "),
+        (f"Checkpoint: `{r['checkpoint']}`: {model['total_parameters'] / 1e6:.1f}M parameters "
+        f"({model['active_parameters'] / 1e6:.1f}M active), {model['hidden_size']} wide, {model['layers']} layers, "
+        f"{model['experts']} experts top-{model['experts_per_token']}; random ids below {model['id_limit']}.  "),
+        f"llama.cpp: {llama_line}.  ",
+        (f"Memory: read {bw['read_gbs']:.1f} GB/s (median {bw['read_gbs_median']:.1f}), copy {bw['copy_gbs']:.1f} GB/s "
+        f"read+write (median {bw['copy_gbs_median']:.1f}), {bw['buffer_gib']:g} GiB random fp32 buffer, best of "
+        f"{bw['repeats']}; matmul {', '.join(f'{k} {v:.0f}' for k, v in r['matmul_gflops'].items())} GFLOP/s."), "",
+    ]  # fmt: skip
+    lines += targets_table(r["targets"], "issue 17 item 4", na="not measured")
+    lines += ["", f"## Throughput ({args.rounds} interleaved rounds; median [min, max])", "",
+              (f"Prefill: one sequence of {args.prefill_tokens} tokens (one engine step / one llama eval). Decode: "
+               f"batch 1, {args.decode_tokens} single-token steps after a {PROMPT_TOKENS}-token prompt; tok/s = "
+               "steps / their summed time. openk3 runs through its serving engine (greedy sampling included)."), "",
+              "| dtype | side | prefill tok/s | decode tok/s | decode ms/token | / bandwidth bound |",
+              "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+    for d in dtypes:
+        s = r["summary"][d]
+        for side in ("openk3", "llama.cpp"):
+            if side not in s:
+                lines.append(f"| {d} | {side} | not measured | not measured | | |")
+                continue
+            c, pf, dc = s[side], s[side]["prefill_tok_s"], s[side]["decode_tok_s"]
+            lines.append(f"| {d} | {side} | {pf['median']:.1f} [{pf['min']:.1f}, {pf['max']:.1f}] | {dc['median']:.2f} "
+                         f"[{dc['min']:.2f}, {dc['max']:.2f}] | {c['decode_ms_per_token']:.1f} | "
+                         f"{c['decode_over_bound']:.2f}x |")  # fmt: skip
+        if "decode_ratio" in s:
+            lines.append(f"| {d} | openk3 / llama.cpp | {s['prefill_ratio']:.2f}x | {s['decode_ratio']:.2f}x | | |")
+    lines += ["", "## Bandwidth bound of a decode token", "",
+              ("Bytes of every weight one token reads (non-expert matrices, norms and the LM head at their stored "
+               f"dtype; the top-{model['experts_per_token']} of {model['experts']} routed experts of every MoE layer; "
+               f"one embedding row) / the read bandwidth ({bw['read_gbs']:.1f} GB/s). Not counted: the fp32 KDA state "
+               f"each token reads and writes ({r['bound'][dtypes[0]]['kda_state_bytes_not_counted'] / 1e6:.1f} MB) "
+               "and the MLA latents. llama.cpp's bf16 GGUF keeps the same small tensors in f32."), "",
+              "| part | " + " | ".join(f"{d} MB" for d in dtypes) + " |", "|---|" + "---:|" * len(dtypes)]  # fmt: skip
+    for part in r["bound"][dtypes[0]]["parts"]:
+        lines.append(
+            f"| {part} | " + " | ".join(f"{r['bound'][d]['parts'].get(part, 0) / 1e6:.2f}" for d in dtypes) + " |"
+        )
+    lines.append("| **total** | " + " | ".join(f"**{r['bound'][d]['bytes'] / 1e6:.1f}**" for d in dtypes) + " |")
+    lines.append("| bound, ms/token | " + " | ".join(f"{r['bound'][d]['ms_per_token']:.2f}" for d in dtypes) + " |")
+    f = r.get("fidelity")
+    if f:
+        lines += ["", "## Fidelity (fp32)", "",
+                  (f"llama.cpp (f32 KV cache, flash attention off) vs openk3 on {f['n_tokens']} random ids (seed "
+                  f"{f['seed']}), one sequence: relative RMS {f['rel_rms']:.2e}, max abs {f['max_abs']:.2e}, top-1 "
+                  f"agreement {f['top1_agree']:.0%}.")]  # fmt: skip
+    kernels = r["profile"][dtypes[0]]["annotated_kernels"]
+    lines += ["", f"## openk3 decode profile (torch.profiler, {r['profile'][dtypes[0]]['steps']} steps per dtype)", "",
+              ("Self CPU time of the ops on the calling thread, per step, by category; matmul includes any custom op "
+               "named *gemv* or *expert*, and the ctypes kernels, which the profiler does not see, each wrapped in a "
+               f"`record_function` while profiling: {', '.join(f'`{k}`' for k in kernels) or 'none found'}. Overhead "
+               "= the profiled wall time minus the ops' summed self time (Python, engine bookkeeping, dispatch, and "
+               "the profiler's own cost)."), "",
+              "| dtype | ms/step unprofiled | ms/step profiled | " + " | ".join(CATEGORIES) + " | overhead |",
+              "|---|---:|---:|" + "---:|" * (len(CATEGORIES) + 1)]  # fmt: skip
+    for d in dtypes:
+        p = r["profile"][d]
+        lines.append(f"| {d} | {p['ms_per_step_unprofiled']:.2f} | {p['ms_per_step_profiled']:.2f} | "
+                     + " | ".join(f"{p['categories_ms_per_step'][c]:.2f}" for c in CATEGORIES)
+                     + f" | {p['overhead_ms_per_step']:.2f} |")  # fmt: skip
+    for d in dtypes:
+        p = r["profile"][d]
+        lines += ["", f"Top ops by self time ({d}):", "", "| op | category | calls/step | self ms/step |",
+                  "|---|---|---:|---:|",
+                  *[f"| `{o['op']}` | {o['category']} | {o['calls_per_step']:.1f} | {o['self_ms_per_step']:.3f} |"
+                    for o in p["top_ops"]]]  # fmt: skip
+    lines += ["", "## Rounds", "",
+              ("Each side and dtype first ran an untimed warm-up (one prefill of the same length, 4 decode steps). "
+               "`first`: the side measured first in that round (it alternates)."), "",
+              ("| round | dtype | side | first | prefill s | prefill tok/s | decode s | decode tok/s | "
+               "decode ms/step (median) |"), "|---:|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for c in r["rounds"]:
+        lines.append(f"| {c['round'] + 1} | {c['dtype']} | {c['side']} | {c['first']} | {c['prefill_s']:.3f} | "
+                     f"{c['prefill_tok_s']:.1f} | {c['decode_s']:.2f} | {c['decode_tok_s']:.2f} | "
+                     f"{c['decode_ms_median']:.1f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Where a decode step of openk3's serving engine spends its time: torch.profiler over a few batch-1 decode steps,
+the ops' self CPU time grouped into categories (matmul, elementwise, indexing/copies, reductions/norms, other), the
+top ops, and the time outside any op (Python, the engine's bookkeeping, dispatch). benchmarks/cpu.py calls
+`profile_decode` per dtype.
+
+Self times are those of the ops on the calling thread: an op's intra-op worker threads count toward the op that
+started them. Kernels called through ctypes (`openk3.ops.cpu_kernels`) are no torch ops, so the profiler would count
+them as overhead: while profiling, each one in `KERNELS` that exists is wrapped in a `record_function` named
+`cpu_kernels::NAME` (the names contain "gemv" or "expert": matmul), and the result lists the ones wrapped. Reading
+the profiler's events back costs ~70 us per event (~1500 events per tiny-model step), so keep `steps` small.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from contextlib import contextmanager
+
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from openk3.ops import dispatch
+from openk3.serve.request import SamplingParams
+
+KERNELS = (("openk3.ops.cpu_kernels", "linear_gemv"), ("openk3.ops.cpu_kernels", "experts"))
+
+CATEGORIES = ("matmul", "elementwise", "indexing/copies", "reductions/norms", "other")
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "linear", "mv", "addmv", "matmul", "_addmm_activation"}
+ELEMENTWISE_OPS = {"add", "sub", "rsub", "mul", "div", "neg", "exp", "log", "log1p", "expm1", "sigmoid", "silu",
+                   "gelu", "relu", "tanh", "rsqrt", "sqrt", "pow", "clamp", "clamp_min", "clamp_max", "where",
+                   "softplus", "abs", "sign", "maximum", "minimum", "eq", "ne", "lt", "gt", "ge", "le", "logical_and",
+                   "logical_or", "logical_not", "reciprocal", "sin", "cos", "addcmul", "addcdiv", "lerp", "square",
+                   "isfinite", "isnan", "bitwise_and", "bitwise_or", "floor", "ceil", "round", "fmod", "remainder",
+                   "nan_to_num", "masked_fill", "erf"}  # fmt: skip
+# Data movement, views and allocation: copies and dtype casts, gathers and scatters, concatenation, views, creation.
+COPY_OPS = {"copy", "_to_copy", "to", "clone", "contiguous", "index", "index_select", "gather", "scatter",
+            "scatter_add",
+            "index_put", "_index_put_impl", "index_add", "index_copy", "index_fill", "cat", "stack", "slice", "select",
+            "narrow", "view", "view_as", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "expand",
+            "expand_as", "permute", "transpose", "t", "unsqueeze", "squeeze", "flatten", "unflatten", "movedim",
+            "split", "split_with_sizes", "chunk", "unbind", "repeat", "repeat_interleave", "empty", "empty_like",
+            "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "fill", "zero",
+            "new_empty", "new_zeros", "new_full", "masked_select", "masked_scatter", "nonzero", "item",
+            "_local_scalar_dense", "resize", "detach", "lift_fresh", "lift_fresh_copy", "alias", "unfold", "roll",
+            "flip", "pad", "constant_pad_nd", "arange", "scalar_tensor", "diagonal", "tril", "triu", "one_hot",
+            "bincount", "searchsorted", "embedding"}  # fmt: skip
+REDUCTION_OPS = {"sum", "mean", "norm", "linalg_vector_norm", "rms_norm", "_fused_rms_norm", "layer_norm",
+                 "native_layer_norm", "softmax", "_softmax", "log_softmax", "_log_softmax", "max", "min", "amax",
+                 "amin", "argmax", "argmin", "topk", "sort", "argsort", "cumsum", "var", "std", "var_mean",
+                 "logsumexp", "prod", "all", "any", "count_nonzero", "multinomial"}  # fmt: skip
+
+
+def op_category(name: str) -> str:
+    """The category of a profiler op name (`aten::index_copy_` -> indexing/copies); a custom op whose name contains
+    "gemv" or "expert" is a matmul."""
+    base = name.split("::", 1)[-1].rstrip("_")
+    if "gemv" in name or "expert" in name or base in MATMUL_OPS:
+        return "matmul"
+    for category, ops in (("elementwise", ELEMENTWISE_OPS), ("indexing/copies", COPY_OPS),
+                          ("reductions/norms", REDUCTION_OPS)):  # fmt: skip
+        if base in ops:
+            return category
+    return "other"
+
+
+@contextmanager
+def annotated_kernels():
+    """Wrap each ctypes kernel of `KERNELS` (the module attribute, and any `ops.dispatch.IMPLS` entry holding it) in
+    a `record_function` of its name for the duration; yields the names wrapped (absent kernels are skipped)."""
+    undo, names = [], []
+    for module_name, attr in KERNELS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        fn = getattr(module, attr, None)
+        if fn is None:
+            continue
+        name = f"{module_name.rsplit('.', 1)[-1]}::{attr}"
+
+        def wrapper(*args, _fn=fn, _name=name, **kwargs):
+            with record_function(_name):
+                return _fn(*args, **kwargs)
+
+        undo.append((module.__dict__, attr, fn))
+        setattr(module, attr, wrapper)
+        for impls in dispatch.IMPLS.values():
+            for key, impl in impls.items():
+                if impl is fn:
+                    undo.append((impls, key, fn))
+                    impls[key] = wrapper
+        names.append(name)
+    try:
+        yield names
+    finally:
+        for table, key, fn in reversed(undo):
+            table[key] = fn
+
+
+def profile_decode(engine, prompt: list[int], steps: int, top: int = 15) -> dict:
+    """One request of `prompt` in `engine` (an idle LLMEngine whose max_model_len holds len(prompt) + 2 * steps + 4
+    tokens): its prefill and two warm steps, `steps` decode steps timed plain, `steps` more under torch.profiler
+    (the ctypes kernels annotated), then the rest untimed. Per step: the wall time both ways, each category's ops'
+    self time, the overhead (the profiled wall time minus the ops' summed self time: Python, the engine's
+    bookkeeping, dispatch, and the profiler's own cost), the `top` ops by self time and the names that fell into
+    "other"."""
+    engine.add_request({"prompt_token_ids": prompt},
+                       SamplingParams(max_tokens=2 * steps + 4, temperature=0.0, ignore_eos=True))  # fmt: skip
+    for _ in range(3):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    plain = time.perf_counter() - t0
+    with annotated_kernels() as kernels, profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t0
+    if not engine.has_unfinished():
+        raise RuntimeError("the profiled request ended early: the profile timed idle steps")
+    while engine.has_unfinished():
+        engine.step()
+    ops = [e for e in prof.key_averages() if not e.is_user_annotation or e.key in kernels]
+    by_category = dict.fromkeys(CATEGORIES, 0.0)
+    for e in ops:
+        by_category[op_category(e.key)] += e.self_cpu_time_total / 1e3 / steps
+    ops_ms = sum(by_category.values())
+    wall_ms = 1e3 * wall / steps
+    return {
+        "steps": steps, "annotated_kernels": kernels, "ms_per_step_unprofiled": 1e3 * plain / steps,
+        "ms_per_step_profiled": wall_ms, "ops_ms_per_step": ops_ms, "overhead_ms_per_step": wall_ms - ops_ms,
+        "categories_ms_per_step": by_category,
+        "other_ops": sorted({e.key for e in ops if op_category(e.key) == "other"}),
+        "top_ops": [{"op": e.key, "category": op_category(e.key), "calls_per_step": e.count / steps,
+                     "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps}
+                    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:top]],
+    }  # fmt: skip

@@ -4,7 +4,8 @@
 - the checkpoint: `--ckpt DIR`, or a random `k3 init --preset medium` (418M total, 243M active: 1024 wide, 16 layers,
   16 experts top-4) cached in runs/bench-cpu/medium; its `k3 export --format gguf` files (f32 and bf16) are cached
   in runs/bench-cpu/ and re-exported when the checkpoint is newer;
-- per dtype (fp32, bf16), in rounds that alternate the sides (and which side goes first): prefill tok/s of one
+- per dtype (fp32, bf16), in rounds that alternate the sides (and which side goes first), each side in its own
+  process (`run_isolated`: two OpenMP runtimes in one process take each other's cores): prefill tok/s of one
   512-token sequence (one engine step / one llama eval) and batch-1 decode tok/s over 128 single-token steps after a
   32-token prompt; median and spread (min, max) per side. openk3 runs through its serving engine (`LLMEngine`,
   greedy, prefix caching off), llama.cpp through llama-cpp-python with the same thread count;
@@ -31,11 +32,13 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import json
 import os
 import re
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -59,6 +62,7 @@ REEXEC_MARK = "K3_BENCH_CPU_LOAD_BEFORE"  # set when the run re-executes itself:
 LLAMA_INSTALL = ('pip install -e ".[bench]" (llama-cpp-python>=0.3.36, a build with the kimi-k3 architecture; it '
                  "compiles llama.cpp from source: a C++ compiler and cmake, several minutes)")  # fmt: skip
 PROFILE_STEPS = 10  # --quick: 2 (reading the profiler's events back is slow: decode_profile.py)
+WORKER_TIMEOUT_S = 1800  # one side's measurement (model load, warm-up, prefill, decode)
 TARGETS = {"decode": 0.8, "prefill": 1.0, "bound": 1.5, "rel_rms": 1e-5}
 
 
@@ -314,31 +318,69 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def run_rounds(sides: dict[str, list], args, id_limit: int) -> list[dict]:
-    """args.rounds rounds; in each, per dtype, both sides' prefill then both sides' decode, the first side
-    alternating between rounds."""
+def measure_side(spec: dict) -> dict:
+    """One side's measurement of one round and dtype, in this (fresh) process: build the side, warm it up (one
+    prefill, 4 decode steps: first calls allocate, pick kernels and page weights in), then the timed prefill of
+    spec["ids"] and the timed decode of spec["feed"] after spec["prompt"]."""
+    torch.set_num_threads(spec["threads"])
+    if spec["side"] == "openk3":
+        model = load_model(spec["ckpt"], dtype=DTYPES[spec["dtype"]])[0].eval()
+        side = Openk3Side(model, len(spec["ids"]), len(spec["feed"]))
+    else:
+        llama_cpp, why = import_llama_cpp(False)
+        if llama_cpp is None:
+            raise RuntimeError(why)
+        side = LlamaSide(llama_cpp, spec["gguf"], spec["threads"], len(spec["ids"]), len(spec["feed"]))
+    side.prefill(spec["warm_ids"])
+    side.decode(spec["prompt"], spec["prompt"][:4])
+    prefill_s = side.prefill(spec["ids"])
+    times = side.decode(spec["prompt"], spec["feed"])
+    out = {"prefill_s": prefill_s, "decode_times": times}
+    if spec["side"] == "llama.cpp":
+        out["settings"] = side.settings
+    side.close()
+    return out
+
+
+def run_isolated(spec: dict) -> dict:
+    """`measure_side(spec)` in a child process (`cpu.py --worker SPEC`), which inherits OMP_WAIT_POLICY. Each side
+    runs alone: with OMP_WAIT_POLICY=active, an OpenMP runtime's idle threads keep spinning for seconds after its
+    work (GNU libgomp: GOMP_SPINCOUNT 3e10), so two runtimes in one process (torch's and llama.cpp's) took each
+    other's cores: on 2 cores, openk3's fp32 decode read 80.7 ms/token beside llama.cpp in one process and 61.5 ms
+    in a run without llama.cpp minutes later."""
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)],
+                          capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, check=False)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {spec['side']} {spec['dtype']} measurement failed (exit {proc.returncode}):\n"
+                           f"{proc.stdout[-2000:]}{proc.stderr[-3000:]}")  # fmt: skip
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_rounds(specs: dict[str, dict[str, dict]], args, id_limit: int) -> list[dict]:
+    """args.rounds rounds; in each, per dtype, both sides (each in its own process: `run_isolated`), the first side
+    alternating between rounds. specs[dtype][side] holds what a side needs (checkpoint or GGUF, threads)."""
     rows = []
+    warm_ids = random_ids(args.prefill_tokens, 1, id_limit)
     for r in range(args.rounds):
         ids = random_ids(args.prefill_tokens, 100 + r, id_limit)
         prompt, feed = random_ids(PROMPT_TOKENS, 200 + r, id_limit), random_ids(args.decode_tokens, 300 + r, id_limit)
-        for dtype, pair in sides.items():
-            order = pair if r % 2 == 0 else pair[::-1]
-            cells = {
-                side.name: {"round": r, "dtype": dtype, "side": side.name, "first": order[0].name} for side in pair
-            }
-            for side in order:
-                seconds = side.prefill(ids)
-                cells[side.name].update(prefill_s=seconds, prefill_tok_s=len(ids) / seconds)
-            for side in order:
-                times = side.decode(prompt, feed)
-                cells[side.name].update(decode_s=sum(times), decode_tok_s=len(times) / sum(times),
-                                        decode_ms_median=1e3 * statistics.median(times),
-                                        decode_step_ms=[round(1e3 * t, 3) for t in times])  # fmt: skip
-            for c in cells.values():
-                print(f"round {r + 1}/{args.rounds} {dtype} {c['side']:9s}: prefill {c['prefill_tok_s']:8.1f} tok/s "
+        for dtype, pair in specs.items():
+            names = list(pair)
+            order = names if r % 2 == 0 else names[::-1]
+            for name in order:
+                m = run_isolated({**pair[name], "side": name, "dtype": dtype, "ids": ids, "prompt": prompt,
+                                  "feed": feed, "warm_ids": warm_ids})  # fmt: skip
+                times = m["decode_times"]
+                c = {"round": r, "dtype": dtype, "side": name, "first": order[0], "prefill_s": m["prefill_s"],
+                     "prefill_tok_s": len(ids) / m["prefill_s"], "decode_s": sum(times),
+                     "decode_tok_s": len(times) / sum(times), "decode_ms_median": 1e3 * statistics.median(times),
+                     "decode_step_ms": [round(1e3 * t, 3) for t in times]}  # fmt: skip
+                if "settings" in m:
+                    c["settings"] = m["settings"]
+                print(f"round {r + 1}/{args.rounds} {dtype} {name:9s}: prefill {c['prefill_tok_s']:8.1f} tok/s "
                       f"({c['prefill_s']:.3f} s), decode {c['decode_tok_s']:7.2f} tok/s "
                       f"({c['decode_ms_median']:.1f} ms/step median)", flush=True)  # fmt: skip
-            rows += cells.values()
+                rows.append(c)
     return rows
 
 
@@ -361,6 +403,10 @@ def summarize(rows: list[dict], dtypes: list[str], llama_ran: bool, bound: dict)
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["--worker"]:  # one side's measurement, in its own process (run_isolated)
+        print(json.dumps(measure_side(json.loads(args_in[1]))), flush=True)
+        return 0
     p = argparse.ArgumentParser(prog="k3 bench cpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", help="checkpoint folder (default: a random --preset checkpoint cached in runs/bench-cpu)")
     p.add_argument("--preset", default="medium", help="preset of the default checkpoint (tiny: a smoke run)")
@@ -391,21 +437,14 @@ def main(argv: list[str] | None = None) -> int:
     omp = ensure_omp_policy(args.omp_wait_policy, argv)
     out_dir = args.out_dir or ("benchmarks/results" if args.preset == "medium" else "runs/bench")
     threads = args.threads or len(os.sched_getaffinity(0))
-    torch.set_num_threads(threads)
+    # One thread here until the rounds are over: this process's OpenMP threads would spin beside the measurements.
+    torch.set_num_threads(1)
     load_before = os.getloadavg()
     result: dict = {"machine": machine_info(), "args": vars(args), "threads": threads, "omp_wait_policy": omp,
                     "loadavg_before": load_before}  # fmt: skip
     print(f"threads {threads}, OMP_WAIT_POLICY {omp['policy']}, load before {load_before}", flush=True)
     llama_cpp, not_measured = import_llama_cpp(args.no_llamacpp)
     result["llamacpp"] = {"measured": llama_cpp is not None, "why_not": not_measured}
-
-    result["bandwidth"] = measure_bandwidth(0.25 if args.quick else 1.0)
-    result["matmul_gflops"] = measure_matmul(args.quick, [DTYPES[d] for d in dtypes])
-    print(
-        f"bandwidth: read {result['bandwidth']['read_gbs']:.1f} GB/s, copy {result['bandwidth']['copy_gbs']:.1f} "
-        f"GB/s; matmul {', '.join(f'{k} {v:.0f}' for k, v in result['matmul_gflops'].items())} GFLOP/s",
-        flush=True,
-    )
 
     ckpt = args.ckpt or cached_checkpoint(args.preset)
     result["checkpoint"] = ckpt
@@ -419,6 +458,27 @@ def main(argv: list[str] | None = None) -> int:
                        "experts_per_token": text.num_experts_per_token, "vocab_size": text.vocab_size,
                        "id_limit": id_limit}  # fmt: skip
 
+    specs = {d: {"openk3": {"ckpt": ckpt, "threads": threads}} for d in dtypes}
+    if llama_cpp is not None:
+        fp32_model = lambda: models["fp32"] if "fp32" in models else load_model(ckpt, dtype=torch.float32)[0]
+        ggufs = {d: cached_gguf(ckpt, OUTTYPES[d], fp32_model) for d in dtypes}
+        result["gguf"] = ggufs
+        for d in dtypes:
+            specs[d]["llama.cpp"] = {"gguf": ggufs[d], "threads": threads}
+        result["llamacpp"].update(version=llama_cpp.__version__,
+                                  system_info=llama_cpp.llama_print_system_info().decode().strip())  # fmt: skip
+    result["rounds"] = run_rounds(specs, args, id_limit)
+    if llama_cpp is not None:
+        result["llamacpp"]["settings"] = next(r["settings"] for r in result["rounds"] if "settings" in r)
+
+    torch.set_num_threads(threads)  # the measurements of this machine and the profile run here, after the rounds
+    result["bandwidth"] = measure_bandwidth(0.25 if args.quick else 1.0)
+    result["matmul_gflops"] = measure_matmul(args.quick, [DTYPES[d] for d in dtypes])
+    print(
+        f"bandwidth: read {result['bandwidth']['read_gbs']:.1f} GB/s, copy {result['bandwidth']['copy_gbs']:.1f} "
+        f"GB/s; matmul {', '.join(f'{k} {v:.0f}' for k, v in result['matmul_gflops'].items())} GFLOP/s",
+        flush=True,
+    )
     bound = {}
     for d, model in models.items():
         parts = active_weight_bytes(model)
@@ -435,33 +495,17 @@ def main(argv: list[str] | None = None) -> int:
         for part, b in parts.items():
             print(f"  {part}: {b / 1e6:.2f} MB", flush=True)
     result["bound"] = bound
-
-    sides = {d: [Openk3Side(models[d], args.prefill_tokens, args.decode_tokens)] for d in dtypes}
-    if llama_cpp is not None:
-        fp32_model = lambda: models["fp32"] if "fp32" in models else load_model(ckpt, dtype=torch.float32)[0]
-        ggufs = {d: cached_gguf(ckpt, OUTTYPES[d], fp32_model) for d in dtypes}
-        result["gguf"] = ggufs
-        for d in dtypes:
-            sides[d].append(LlamaSide(llama_cpp, ggufs[d], threads, args.prefill_tokens, args.decode_tokens))
-        result["llamacpp"].update(version=llama_cpp.__version__, settings=sides[dtypes[0]][1].settings,
-                                  system_info=llama_cpp.llama_print_system_info().decode().strip())  # fmt: skip
-    warm = random_ids(PROMPT_TOKENS, 0, id_limit)
-    for pair in sides.values():  # first calls allocate, pick kernels for the shapes and page weights in: untimed
-        for side in pair:
-            side.prefill(random_ids(args.prefill_tokens, 1, id_limit))
-            side.decode(warm, warm[:4])
-
-    result["rounds"] = run_rounds(sides, args, id_limit)
     result["summary"] = summarize(result["rounds"], dtypes, llama_cpp is not None, bound)
+    warm = random_ids(PROMPT_TOKENS, 0, id_limit)
+    sides = {d: Openk3Side(models[d], args.prefill_tokens, args.decode_tokens) for d in dtypes}
+    for side in sides.values():
+        side.decode(warm, warm[:4])
     result["profile"] = {}
     for d in dtypes:
-        result["profile"][d] = prof = profile_decode(sides[d][0].engine, warm, 2 if args.quick else PROFILE_STEPS)
+        result["profile"][d] = prof = profile_decode(sides[d].engine, warm, 2 if args.quick else PROFILE_STEPS)
         print(f"profile {d}: {prof['ms_per_step_unprofiled']:.1f} ms/step; ops "
               + ", ".join(f"{k} {v:.1f}" for k, v in prof["categories_ms_per_step"].items())
               + f" ms; overhead {prof['overhead_ms_per_step']:.1f} ms", flush=True)  # fmt: skip
-    for pair in sides.values():
-        for side in pair:
-            side.close()
     if llama_cpp is not None:
         from llamacpp_fidelity import logits_rel_rms
 
@@ -583,7 +627,9 @@ def markdown(r: dict, dtypes: list[str], args) -> str:
     kernels = r["profile"][dtypes[0]]["annotated_kernels"]
     lines += ["", f"## openk3 decode profile (torch.profiler, {r['profile'][dtypes[0]]['steps']} steps per dtype)", "",
               ("Self CPU time of the ops on the calling thread, per step, by category; matmul includes any custom op "
-               "named *gemv* or *expert*, and the ctypes kernels, which the profiler does not see, each wrapped in a "
+               "named *gemv*, *linear_many* or *expert*; fused layers are the kernels that run a whole KDA layer, a "
+               "MoE layer after routing or an AttnRes mix with its norm (their matmuls included). The ctypes kernels, "
+               "which the profiler does not see, are each wrapped in a "
                f"`record_function` while profiling: {', '.join(f'`{k}`' for k in kernels) or 'none found'}. Overhead "
                "= the profiled wall time minus the ops' summed self time (Python, engine bookkeeping, dispatch, and "
                "the profiler's own cost)."), "",
@@ -601,7 +647,8 @@ def markdown(r: dict, dtypes: list[str], args) -> str:
                   *[f"| `{o['op']}` | {o['category']} | {o['calls_per_step']:.1f} | {o['self_ms_per_step']:.3f} |"
                     for o in p["top_ops"]]]  # fmt: skip
     lines += ["", "## Rounds", "",
-              ("Each side and dtype first ran an untimed warm-up (one prefill of the same length, 4 decode steps). "
+              ("Each measurement ran in its own process (the side, dtype and round alone on the machine), after an "
+               "untimed warm-up there (one prefill of the same length, 4 decode steps). "
                "`first`: the side measured first in that round (it alternates)."), "",
               ("| round | dtype | side | first | prefill s | prefill tok/s | decode s | decode tok/s | "
                "decode ms/step (median) |"), "|---:|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip

@@ -21,9 +21,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from openk3.ops import dispatch
 from openk3.serve.request import SamplingParams
 
-KERNELS = (("openk3.ops.cpu_kernels", "linear_gemv"), ("openk3.ops.cpu_kernels", "experts"))
+KERNELS = tuple(("openk3.ops.cpu_kernels", name)
+                for name in ("linear_gemv", "linear_many", "experts", "moe_decode", "kda_decode", "mix_norm"))  # fmt: skip
 
-CATEGORIES = ("matmul", "elementwise", "indexing/copies", "reductions/norms", "other")
+CATEGORIES = ("matmul", "fused layers", "elementwise", "indexing/copies", "reductions/norms", "other")
+# The kernels that run a whole layer part in one call (its matmuls included): a KDA layer, a MoE layer after
+# routing, an AttnRes mix with its norm.
+FUSED_LAYER_KERNELS = ("kda_decode", "moe_decode", "mix_norm")
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "linear", "mv", "addmv", "matmul", "_addmm_activation"}
 ELEMENTWISE_OPS = {"add", "sub", "rsub", "mul", "div", "neg", "exp", "log", "log1p", "expm1", "sigmoid", "silu",
                    "gelu", "relu", "tanh", "rsqrt", "sqrt", "pow", "clamp", "clamp_min", "clamp_max", "where",
@@ -51,9 +55,11 @@ REDUCTION_OPS = {"sum", "mean", "norm", "linalg_vector_norm", "rms_norm", "_fuse
 
 def op_category(name: str) -> str:
     """The category of a profiler op name (`aten::index_copy_` -> indexing/copies); a custom op whose name contains
-    "gemv" or "expert" is a matmul."""
+    "gemv", "linear" or "expert" is a matmul, one of `FUSED_LAYER_KERNELS` a fused layer."""
     base = name.split("::", 1)[-1].rstrip("_")
-    if "gemv" in name or "expert" in name or base in MATMUL_OPS:
+    if any(k in name for k in FUSED_LAYER_KERNELS):
+        return "fused layers"
+    if "gemv" in name or "linear_many" in name or "expert" in name or base in MATMUL_OPS:
         return "matmul"
     for category, ops in (("elementwise", ELEMENTWISE_OPS), ("indexing/copies", COPY_OPS),
                           ("reductions/norms", REDUCTION_OPS)):  # fmt: skip

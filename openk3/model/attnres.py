@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from openk3.model.layers import RMSNorm
+from openk3.ops import dispatch
 from openk3.ops.attnres import attn_res_mix
 
 
@@ -27,6 +28,18 @@ def mix(bank: list[torch.Tensor], partial_TD: torch.Tensor, norm: RMSNorm, proj:
     if not bank:
         return partial_TD
     return attn_res_mix(bank, partial_TD, norm.weight, proj.weight, norm.eps)
+
+
+def mix_norm(bank: list[torch.Tensor], partial_TD: torch.Tensor, norm: RMSNorm, proj: nn.Linear,
+             out_norm: RMSNorm) -> torch.Tensor:  # fmt: skip
+    """out_norm(mix(bank, partial)): every mix feeds an RMSNorm (the layer's two, the final one). Decode-sized rows on
+    CPU take one fused kernel (`ops.dispatch.fused_mix_norm`) with the same math and roundings; this composition is
+    its reference."""
+    sources = [*bank, partial_TD]
+    fused = dispatch.fused_mix_norm(sources, [norm.weight, proj.weight, out_norm.weight])
+    if fused is not None:
+        return fused(sources, norm.weight, proj.weight, norm.eps, out_norm.weight, out_norm.eps)
+    return out_norm(mix(bank, partial_TD, norm, proj))
 
 
 def close_block(bank: list[torch.Tensor], partial_TD: torch.Tensor, block_start: bool) -> list[torch.Tensor]:

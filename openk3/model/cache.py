@@ -8,7 +8,9 @@ the expanded per-head keys and values (spec/model.md §6). AttnRes, the FFNs and
 The layers use each entry only through a small interface, which the serving engine's paged views
 (serve/kv/views.py) implement over block pools and state slots:
     KDA entry: load() -> (tails, state); store(tails, state); and, for mode VERIFY only, record(steps, pre_conv):
-               the ops.kda.KDASteps of the pass and its pre-conv q, k, v rows [N, G, P], instead of a new state
+               the ops.kda.KDASteps of the pass and its pre-conv q, k, v rows [N, G, P], instead of a new state;
+               decode_in_out() -> KDAInOut: where the fused CPU decode kernel reads and writes (fresh outputs here,
+               the pools in place in serving), then its commit()
     MLA entry: append(latents_TR, seq_lens) writes every sequence's new latents at its next positions;
                past(i) -> [S_i, R] what sequence i has written (this call's latents included);
                block() -> ([N, S_max, R], lengths [N]) every sequence at once, right-padded with finite values
@@ -24,7 +26,9 @@ TP tensor-parallel degree.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -84,6 +88,21 @@ def cache_specs(text_config, dtype: torch.dtype, tp: int = 1) -> list[CacheSpec]
     return [by_kind[kind] for kind in kinds]
 
 
+class KDAInOut(NamedTuple):
+    """Where a fused KDA decode step (`ops.cpu_kernels.kda_decode`) reads and writes one KDA entry: per projection
+    q, k, v a [*, W-1, P] tensor of conv tails, a [*, H, K, V] fp32 state tensor, and the row of each sequence in
+    them, for the input and for the output; the outputs may be the inputs (an in-place update). `commit()` finishes
+    the update (stores freshly allocated outputs; nothing to do in place)."""
+
+    tails_in: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    state_in: torch.Tensor
+    rows_in: list[int]
+    tails_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    state_out: torch.Tensor
+    rows_out: list[int]
+    commit: Callable[[], None]
+
+
 @dataclass
 class KDAState:
     conv_q_NWP: torch.Tensor  # [N, W-1, P] activation dtype
@@ -97,6 +116,14 @@ class KDAState:
     def store(self, tails: tuple[torch.Tensor, torch.Tensor, torch.Tensor], state_NHKV: torch.Tensor) -> None:
         self.conv_q_NWP, self.conv_k_NWP, self.conv_v_NWP = tails
         self.recurrent_NHKV = state_NHKV
+
+    def decode_in_out(self) -> KDAInOut:
+        """Fresh outputs, stored on commit: tensors a caller holds from before the step keep their values."""
+        tails, state = self.load()
+        tails_out = tuple(torch.empty_like(t) for t in tails)
+        state_out = torch.empty_like(state)
+        rows = list(range(state.shape[0]))
+        return KDAInOut(tails, state, rows, tails_out, state_out, rows, lambda: self.store(tails_out, state_out))
 
 
 @dataclass

@@ -9,7 +9,8 @@
     out        = o_proj(RMSNorm_gated(o; o_norm, sigmoid(g_proj(x))))
 
 `forward` branches on `batch.mode`: DECODE (one new token per sequence on a cache) is the decode step (`kda_step`,
-the released code's fused recurrent path); VERIFY runs G decode steps on a copy of the state and hands the cache
+the released code's fused recurrent path; on CPU `_decode_fused` runs the whole layer as one C kernel, the torch path
+being its reference); VERIFY runs G decode steps on a copy of the state and hands the cache
 their inputs instead of a new state (`kda_verify`; the engine folds the accepted prefix); FULL and EXTEND run the
 packed conv and the chunked op from the entering state.
 
@@ -29,6 +30,7 @@ from openk3.config import K3TextConfig
 from openk3.model.batch import ForwardBatch, Mode
 from openk3.model.cache import KDAState
 from openk3.model.layers import Linear, ShortConvolution
+from openk3.ops import dispatch
 from openk3.ops.conv import short_conv, short_conv_few, short_conv_varlen
 from openk3.ops.dispatch import kda_chunked, kda_step, kda_verify  # CPU fast path, or fla-core kernels on CUDA
 from openk3.ops.kda import kda_gate
@@ -73,8 +75,29 @@ class KimiDeltaAttention(nn.Module):
         o_THV = gated_rms_norm(o_THV.to(x_TD.dtype), gate_THK, self.o_norm.weight, self.eps)
         return self.o_proj(o_THV.reshape(T, H * K))
 
+    def _decode_fused(self, x_TD: torch.Tensor, cache: KDAState) -> torch.Tensor | None:
+        """A DECODE step as one kernel call (`ops.dispatch.fused_kda_decode`: the input projections, conv, L2 norms,
+        gate, delta step, gated norm and o_proj), updating the cache entry where it lives (`decode_in_out`); None
+        where the kernel does not apply (the caller runs the torch path, its reference)."""
+        projections = [p.weight for p in (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.f_a_proj, self.b_proj)]
+        w_fb, w_o = self.f_b_proj.weight, self.o_proj.weight
+        convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
+        A_log, dt_bias, norm_w = self.A_log, self.dt_bias, self.o_norm.weight
+        io = cache.decode_in_out()
+        fused = dispatch.fused_kda_decode(x_TD, io, [*projections, w_fb, w_o], [*convs, A_log, dt_bias, norm_w])
+        if fused is None:
+            return None
+        out = fused(x_TD, io, projections, w_fb, w_o, convs, A_log, dt_bias, self.lower_bound, norm_w, self.eps,
+                    self.head_dim**-0.5)  # fmt: skip
+        io.commit()
+        return out
+
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: KDAState | None = None) -> torch.Tensor:
         mode = batch.mode
+        if mode is Mode.DECODE and batch.context_parallel is None and cache is not None:
+            out = self._decode_fused(x_TD, cache)
+            if out is not None:
+                return out
         T, H, K = x_TD.shape[0], self.num_heads, self.head_dim
         if batch.context_parallel is not None:
             handoff = batch.context_parallel.kda_handoff(batch)

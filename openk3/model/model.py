@@ -62,13 +62,13 @@ class K3DecoderLayer(nn.Module):
     def forward(self, partial_TD: torch.Tensor, bank: list[torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         """One layer; `bank` is read, never mutated (K3Model appends the finished block after the call): wrappers
         such as FSDP2 may hand the layer a copy of its arguments."""
-        h = attnres.mix(bank, partial_TD, self.self_attention_res_norm, self.self_attention_res_proj)
+        x_TD = attnres.mix_norm(bank, partial_TD, self.self_attention_res_norm, self.self_attention_res_proj,
+                                self.input_layernorm)  # fmt: skip
         bank = attnres.close_block(bank, partial_TD, self.block_start)
         cache = batch.cache.layers[self.layer_idx] if batch.cache is not None else None
-        a = self.self_attn(self.input_layernorm(h), batch, cache)
+        a = self.self_attn(x_TD, batch, cache)
         partial_TD = attnres.add_to_partial(partial_TD, a, self.block_start)
-        h2 = attnres.mix(bank, partial_TD, self.mlp_res_norm, self.mlp_res_proj)
-        x_TD = self.post_attention_layernorm(h2)
+        x_TD = attnres.mix_norm(bank, partial_TD, self.mlp_res_norm, self.mlp_res_proj, self.post_attention_layernorm)
         if hasattr(self, "mlp"):
             return partial_TD + self.mlp(x_TD)
         moe = self.block_sparse_moe
@@ -97,7 +97,7 @@ class K3Model(nn.Module):
             out_TD = layer(partial_TD, bank, batch)
             bank = attnres.close_block(bank, partial_TD, layer.block_start)  # as the layer did inside
             partial_TD = out_TD
-        return self.norm(attnres.mix(bank, partial_TD, self.output_attn_res_norm, self.output_attn_res_proj))
+        return attnres.mix_norm(bank, partial_TD, self.output_attn_res_norm, self.output_attn_res_proj, self.norm)
 
     def _check_routes(self, routes_TMk: torch.Tensor, T: int) -> None:
         """Replayed routes must be [T, M, k] integers in [0, E) with k distinct experts per token and layer."""

@@ -163,6 +163,10 @@ class StableLatentMoE(nn.Module):
     def forward(self, x_TD: torch.Tensor, routes_Tk: torch.Tensor | None = None) -> torch.Tensor:
         """`routes_Tk` [T, k] integer: replay these experts (any order; used sorted) instead of the biased top-k;
         the weights are recomputed from this forward's scores either way."""
+        if 0 < x_TD.shape[0] <= FUSED_MAX_TOKENS and self.dispatcher is local_dispatch:
+            out = self._decode_fused(x_TD, routes_Tk)
+            if out is not None:
+                return out
         scores_TE = router_scores(x_TD, self.gate.weight)
         if routes_Tk is None:
             idx_Tk, w_Tk = route_topk(scores_TE, self.gate.e_score_correction_bias, self.top_k, self.renormalize,
@@ -174,3 +178,28 @@ class StableLatentMoE(nn.Module):
         y_TL = self.dispatcher(self.routed_expert_down_proj(x_TD), idx_Tk, w_Tk, self.experts)
         out = self.routed_expert_up_proj(self.routed_expert_norm(y_TL))
         return out + self.shared_experts(x_TD) if self.shared_experts is not None else out
+
+    def _decode_fused(self, x_TD: torch.Tensor, routes_Tk: torch.Tensor | None) -> torch.Tensor | None:
+        """Decode-sized batches: each token's layer output in one kernel call (`ops.dispatch.fused_moe_decode`: the
+        router, the down projection, its experts read in place, the weighted sum, the latent norm, the up
+        projection and the shared experts); the observer sees the kernel's scores and experts. None where the kernel
+        does not apply (the caller runs the torch path below, its reference)."""
+        ex = self.experts
+        shared = None
+        if self.shared_experts is not None:
+            mlp = self.shared_experts
+            shared = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+            if (mlp.beta, mlp.linear_beta) != (ex.beta, ex.linear_beta):
+                return None
+        w_gate, bias = self.gate.weight, self.gate.e_score_correction_bias
+        w_down, w_up, norm = self.routed_expert_down_proj.weight, self.routed_expert_up_proj.weight, self.routed_expert_norm
+        fused = dispatch.fused_moe_decode(x_TD, [w_gate, w_down, ex.w1, ex.w3, ex.w2, norm.weight, w_up, *(shared or ())],
+                                          bias)  # fmt: skip
+        if fused is None:
+            return None
+        out, scores_TE, idx_Tk = fused(x_TD, w_gate, bias, self.top_k, self.renormalize, self.scaling, routes_Tk,
+                                       w_down, ex.w1, ex.w3, ex.w2, norm.weight, norm.eps, w_up, shared, ex.beta,
+                                       ex.linear_beta)  # fmt: skip
+        if self.observer is not None:
+            self.observer(self, scores_TE, idx_Tk)
+        return out

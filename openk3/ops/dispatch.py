@@ -12,9 +12,15 @@ an implementation with `use_impl`, e.g. `with use_impl("kda_chunked", "bf16"): m
 "gemv" (the CPU default) sends bf16 inputs of at most `ops.cpu_kernels.MAX_ROWS` rows without autograd (decode, verify,
 small batches) to the bf16 GEMV kernel of `ops.cpu_kernels` and everything else to `F.linear`. `experts` ("fused"
 on CPU, "ref" elsewhere): one decode token's routed experts, or a dense SiTU MLP, in one kernel call
-(`fused_experts` tells the model whether to use it).
+(`fused_experts` tells the model whether to use it). `kda_decode` and `mix_norm` ("fused" on CPU, "ref" = the
+torch path in model/) are a whole KDA layer's decode step (its input to o_proj's output), and a Block AttnRes mix with
+the RMSNorm after it; `moe_decode` ("fused" on CPU) a StableLatentMoE layer's decode step (router included);
+`fused_kda_decode` / `fused_mix_norm` / `fused_moe_decode` return the kernel where it applies, else None.
+`linear_many` runs several projections of one input in one kernel call under "gemv" (fp32 or bf16), else one
+`linear` each.
 """
 
+import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -49,18 +55,22 @@ IMPLS: dict[str, dict[str, Callable]] = {
     "linear": {"ref": F.linear, "gemv": _linear_gemv},
     # A token's routed experts (and the dense SiTU MLPs) in one call; "ref" = the torch path in model/.
     "experts": {"ref": None, "fused": cpu_kernels.experts},
+    "kda_decode": {"ref": None, "fused": cpu_kernels.kda_decode},
+    "mix_norm": {"ref": None, "fused": cpu_kernels.mix_norm},
+    "moe_decode": {"ref": None, "fused": cpu_kernels.moe_decode},
 }
+CPU_DEFAULTS = {"linear": "gemv", "experts": "fused", "kda_decode": "fused", "mix_norm": "fused", "moe_decode": "fused"}
 _forced: dict[str, str] = {}
 
 
 def select(op: str, device: torch.device) -> str:
     """The implementation name `op` uses for tensors on `device`: the forced one, else for KDA "fla" on CUDA when
-    available, for linear "gemv" and experts "fused" on CPU (each falls back to its reference per call where it
-    does not apply), else "ref"."""
+    available, for the CPU kernels' ops the entry of `CPU_DEFAULTS` on CPU (each falls back to its reference per
+    call where it does not apply), else "ref"."""
     if op in _forced:
         return _forced[op]
-    if op in ("linear", "experts"):
-        return ("gemv" if op == "linear" else "fused") if device.type == "cpu" else "ref"
+    if op in CPU_DEFAULTS:
+        return CPU_DEFAULTS[op] if device.type == "cpu" else "ref"
     return "fla" if device.type == "cuda" and gpu.fla_available() else "ref"
 
 
@@ -78,6 +88,16 @@ def use_impl(op: str, name: str) -> Iterator[None]:
             del _forced[op]
         else:
             _forced[op] = previous
+
+
+@contextmanager
+def reference_path() -> Iterator[None]:
+    """Every op with a CPU kernel (`CPU_DEFAULTS`) on its torch reference inside the block: the path the kernels are
+    tested against."""
+    with contextlib.ExitStack() as stack:
+        for op in CPU_DEFAULTS:
+            stack.enter_context(use_impl(op, "ref"))
+        yield
 
 
 def kda_chunked(q: torch.Tensor, *args, **kwargs):
@@ -102,6 +122,41 @@ def fused_experts(z_TL: torch.Tensor, weights: list[torch.Tensor]):
     if fn is None or not cpu_kernels.experts_apply(z_TL, weights) or not cpu_kernels.available():
         return None
     return fn
+
+
+def linear_many(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[linear(x, W) for W in weights]: one kernel call under "gemv" where `cpu_kernels.linear_many` applies."""
+    if (select("linear", x.device) == "gemv" and cpu_kernels.linear_many_apply(x, weights)
+            and cpu_kernels.available()):  # fmt: skip
+        return cpu_kernels.linear_many(x, weights)
+    return [linear(x, w) for w in weights]
+
+
+def fused_kda_decode(x_ND: torch.Tensor, io, weights: list[torch.Tensor], fp32_params: list[torch.Tensor]):
+    """`cpu_kernels.kda_decode` when selected, built and applicable to these operands (`kda_decode_apply`; `io` is a
+    model.cache.KDAInOut), else None (model/kda.py runs its torch path)."""
+    fn = IMPLS["kda_decode"][select("kda_decode", x_ND.device)]
+    if fn is None or not cpu_kernels.kda_decode_apply(x_ND, io, weights, fp32_params):
+        return None
+    return fn if cpu_kernels.available() else None
+
+
+def fused_mix_norm(sources: list[torch.Tensor], weights: list[torch.Tensor]):
+    """`cpu_kernels.mix_norm` when selected, built and applicable (`mix_norm_apply`), else None (model/attnres.py
+    runs `norm(mix(...))`)."""
+    fn = IMPLS["mix_norm"][select("mix_norm", sources[0].device)]
+    if fn is None or not cpu_kernels.mix_norm_apply(sources, weights):
+        return None
+    return fn if cpu_kernels.available() else None
+
+
+def fused_moe_decode(x_TD: torch.Tensor, tensors: list[torch.Tensor], bias_E: torch.Tensor):
+    """`cpu_kernels.moe_decode` when selected, built and applicable to these tokens, matrices and router bias
+    (`moe_decode_apply`), else None (model/moe.py runs its torch path)."""
+    fn = IMPLS["moe_decode"][select("moe_decode", x_TD.device)]
+    if fn is None or not cpu_kernels.moe_decode_apply(x_TD, tensors, bias_E):
+        return None
+    return fn if cpu_kernels.available() else None
 
 
 def kda_verify(q_NGHK: torch.Tensor, *args) -> tuple[torch.Tensor, KDASteps]:

@@ -326,6 +326,7 @@ def test_kda_runs_the_branch_its_mode_names(tiny, monkeypatch):
     import openk3.model.kda as kda_module
     from openk3.model.batch import ForwardBatch, Mode
     from openk3.model.cache import K3Cache
+    from openk3.ops.dispatch import use_impl
 
     layer = tiny.model.layers[0].self_attn
     calls: list[str] = []
@@ -352,8 +353,12 @@ def test_kda_runs_the_branch_its_mode_names(tiny, monkeypatch):
             out = layer(x_ND, batch, cache.layers[0])
         return out, cache.layers[0], list(calls)
 
-    decode, dec_state, dec_calls = run(None)
+    fused, fused_state, fused_calls = run(None)  # on CPU, DECODE runs the fused kernel (ops.cpu_kernels) ...
+    assert not {"kda_step", "short_conv_few", "kda_chunked"} & set(fused_calls)
+    with use_impl("kda_decode", "ref"):  # ... whose reference is the torch step
+        decode, dec_state, dec_calls = run(None)
     assert dec_calls.count("kda_step") == 1 and dec_calls.count("short_conv_few") == 3
+    assert rel_rms(fused, decode) <= 1e-5
     assert "kda_chunked" not in dec_calls and "short_conv_varlen" not in dec_calls
     extend, ext_state, ext_calls = run(Mode.EXTEND)
     assert ext_calls.count("kda_chunked") == 1 and ext_calls.count("short_conv_varlen") == 3
@@ -363,8 +368,8 @@ def test_kda_runs_the_branch_its_mode_names(tiny, monkeypatch):
         tails, state = entry.load()
         return [*tails, state]
 
-    for a, b in zip(tensors(ext_state), tensors(dec_state), strict=True):
-        assert rel_rms(a, b) <= 1e-5
+    for a, b, c in zip(tensors(ext_state), tensors(dec_state), tensors(fused_state), strict=True):
+        assert rel_rms(a, b) <= 1e-5 and rel_rms(c, b) <= 1e-5
     verify, ver_state, ver_calls = run("verify")
     assert ver_calls.count("kda_verify") == 1 and ver_calls.count("record") == 1 and "kda_step" not in ver_calls
     assert rel_rms(verify, decode) <= 1e-5

@@ -2,10 +2,14 @@
 
     y = linear_gemv(x, W)                  # x [..., I] bf16, at most MAX_ROWS rows; W [O, I] bf16 -> [..., O] bf16
     y = experts(z, w1s, w3s, w2s, w, ...)  # one token's k experts (fp32 or bf16), fused: [1, Lt] -> [1, Lt]
+    ys = linear_many(x, [W1, W2, ...])     # several projections of one input (fp32 or bf16) in one call
+    y = kda_decode(x, io, ...)             # a whole KDA layer's decode step (projections to o_proj), state in io
+    y, s, i = moe_decode(x, ...)           # a StableLatentMoE layer's decode step (router, experts, shared experts)
+    y = mix_norm(sources, ...)             # a Block AttnRes mix and the RMSNorm after it, for decode rows
 
-The plain references are `torch.nn.functional.linear` and the torch expert path of model/moe.py (and DenseMLP);
-`ops.dispatch` picks between them ("ref" / "gemv", "ref" / "fused") and falls back to the reference for anything a
-kernel does not take (other dtypes, more rows, autograd, non-CPU tensors, or no compiler). Why they exist and how
+The plain references are `torch.nn.functional.linear`, the torch expert path of model/moe.py (and DenseMLP), the
+torch paths of model/kda.py and model/moe.py and `norm(attnres.mix(...))`; `ops.dispatch` picks between them ("ref" / "gemv",
+"ref" / "fused") and falls back to the reference for anything a kernel does not take (other dtypes, more rows, autograd, non-CPU tensors, or no compiler). Why they exist and how
 they round: the C file's header.
 
 The library is compiled once per source and machine into `$OPENK3_CACHE` (default `~/.cache/openk3`) with
@@ -81,6 +85,21 @@ def _build() -> ctypes.CDLL:
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                    ptrs, ptrs, ptrs, ctypes.c_void_p, ctypes.c_float, ctypes.c_float, ctypes.c_void_p]  # fmt: skip
     fn.restype = ctypes.c_int
+    i64, f32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+    fn = lib.openk3_gemv_multi
+    fn.argtypes = [ctypes.c_int, vp, i64, i64, i64, ptrs, vp, ptrs]
+    fn.restype = ctypes.c_int
+    fn = lib.openk3_kda_decode
+    fn.argtypes = [ctypes.c_int, i64, i64, i64, i64, i64, vp, ptrs, vp, vp, ptrs, vp, vp, ptrs, vp, vp, ptrs, vp, vp,
+                   f32, vp, f32, f32, vp]  # fmt: skip
+    fn.restype = ctypes.c_int
+    fn = lib.openk3_moe_decode
+    fn.argtypes = [ctypes.c_int, i64, i64, i64, i64, i64, i64, vp, vp, vp, ctypes.c_int, f32, ctypes.c_int, vp, vp, vp,
+                   vp, vp, vp, vp, vp, f32, vp, vp, vp, vp, f32, f32, vp]  # fmt: skip
+    fn.restype = ctypes.c_int
+    fn = lib.openk3_mix_norm
+    fn.argtypes = [ctypes.c_int, i64, i64, i64, ptrs, vp, vp, f32, vp, f32, vp]
+    fn.restype = ctypes.c_int
     return lib
 
 
@@ -102,13 +121,22 @@ def available() -> bool:
     return library() is not None
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _plain(t: torch.Tensor) -> bool:
     """A CPU tensor of plain storage (not a DTensor shard, a meta or a subclass tensor) that autograd does not need."""
-    return (
-        type(t) in (torch.Tensor, torch.nn.Parameter)
-        and t.device.type == "cpu"
-        and not (torch.is_grad_enabled() and t.requires_grad)
-    )
+    return type(t) in _PLAIN_TYPES and t.is_cpu and not (t.requires_grad and torch.is_grad_enabled())
+
+
+def _usable(tensors, dtype: torch.dtype) -> bool:
+    """Every tensor `_plain`, contiguous and of `dtype` (one loop: these checks run on every decode call)."""
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if (t.dtype != dtype or type(t) not in _PLAIN_TYPES or not t.is_cpu or not t.is_contiguous()
+                or (grad and t.requires_grad)):  # fmt: skip
+            return False
+    return True
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -165,3 +193,170 @@ def experts(z_1L: torch.Tensor, w1s: list[torch.Tensor], w3s: list[torch.Tensor]
     if rc:
         raise RuntimeError(f"openk3_experts refused k={k} (weights {'absent' if wts is None else 'given'})")
     return y
+
+
+def _pointers(tensors) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+def linear_many_apply(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
+    """Whether `linear_many` takes x and these weights: all fp32 or all bf16, contiguous, the same input width, at
+    most MAX_ROWS rows of x."""
+    dtype = x.dtype
+    return (
+        dtype in (torch.float32, torch.bfloat16)
+        and _plain(x)
+        and 0 < x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
+        and _usable(weights, dtype)
+        and all(w.dim() == 2 and w.shape[1] == x.shape[-1] for w in weights)
+    )
+
+
+def linear_many(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[F.linear(x, W) for W in weights] (no bias) in one kernel call and one parallel loop over all their rows; the
+    caller checked `linear_many_apply` and `available`."""
+    I = x.shape[-1]
+    x2 = x.reshape(-1, I).contiguous()
+    M = x2.shape[0]
+    outs = [torch.empty(M, w.shape[0], dtype=x.dtype) for w in weights]
+    rows = (ctypes.c_int64 * len(weights))(*[w.shape[0] for w in weights])
+    rc = _lib.openk3_gemv_multi(int(x.dtype == torch.bfloat16), x2.data_ptr(), M, I, len(weights),
+                                _pointers(weights), rows, _pointers(outs))  # fmt: skip
+    if rc:
+        raise RuntimeError(f"openk3_gemv_multi refused rows={M} (at most {MAX_ROWS})")
+    return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
+
+
+KDA_MAX_HEAD_DIM = 512  # the C kernel's bound on the KDA head dim (K3: 128)
+
+
+def kda_decode_apply(x_ND: torch.Tensor, io, weights: list[torch.Tensor], fp32_params: list[torch.Tensor]) -> bool:
+    """Whether `kda_decode` takes these operands: x [N, D] with N <= MAX_ROWS, the matrices and the conv tails of `io`
+    (a model.cache.KDAInOut) in x's dtype, fp32 or bf16; its states and `fp32_params` (conv weights, A_log, dt_bias,
+    the output norm's weight) fp32; all contiguous plain CPU tensors without autograd."""
+    dtype = x_ND.dtype
+    return (
+        dtype in (torch.float32, torch.bfloat16)
+        and x_ND.dim() == 2
+        and 0 < x_ND.shape[0] <= MAX_ROWS
+        and io.state_in.shape[-1] <= KDA_MAX_HEAD_DIM
+        and _usable((x_ND, *weights, *io.tails_in, *io.tails_out), dtype)
+        and _usable((io.state_in, io.state_out, *fp32_params), torch.float32)
+    )
+
+
+def kda_decode(x_ND: torch.Tensor, io, projections: list[torch.Tensor], w_fb: torch.Tensor, w_o: torch.Tensor,
+               conv_w: list[torch.Tensor], A_log_H: torch.Tensor, dt_bias_P: torch.Tensor, lower_bound: float,
+               norm_w_K: torch.Tensor, eps: float, scale: float) -> torch.Tensor:  # fmt: skip
+    """A whole KDA layer's decode step (the C file's `openk3_kda_decode`): x [N, D] -> o_proj's output [N, D].
+    `projections` = W_q, W_k, W_v, W_g [P, D], W_fa [K, D], W_b [H, D]; w_fb [P, K]; w_o [D, P]; `io`
+    (model.cache.KDAInOut) where each sequence's conv tails and state are read and written (then `io.commit()` is
+    the caller's); conv_w [P, 1, W] each, A_log [H], dt_bias [P], norm_w_K: fp32. The caller checked
+    `kda_decode_apply` and `available`."""
+    N, D = x_ND.shape
+    _, H, K, _ = io.state_in.shape
+    W = conv_w[0].shape[-1]
+    out = torch.empty_like(x_ND)
+    rows_in, rows_out = (ctypes.c_int64 * N)(*io.rows_in), (ctypes.c_int64 * N)(*io.rows_out)
+    rc = _lib.openk3_kda_decode(int(x_ND.dtype == torch.bfloat16), N, D, H, K, W, x_ND.data_ptr(),
+                                _pointers(projections), w_fb.data_ptr(), w_o.data_ptr(), _pointers(io.tails_in),
+                                io.state_in.data_ptr(), rows_in, _pointers(io.tails_out), io.state_out.data_ptr(),
+                                rows_out, _pointers(conv_w), A_log_H.data_ptr(), dt_bias_P.data_ptr(), lower_bound,
+                                norm_w_K.data_ptr(), eps, scale, out.data_ptr())  # fmt: skip
+    if rc:
+        raise RuntimeError(f"openk3_kda_decode refused N={N} (at most {MAX_ROWS}) H={H} K={K} W={W}")
+    return out
+
+
+MIX_MAX_SOURCES = 64  # the C kernel's bound on AttnRes sources (the bank plus the partial sum)
+
+
+def mix_norm_apply(sources: list[torch.Tensor], weights: list[torch.Tensor]) -> bool:
+    """Whether `mix_norm` takes these [T, D] sources (at most MAX_ROWS rows) and [D]-sized weights: one dtype, fp32
+    or bf16, contiguous plain CPU tensors without autograd."""
+    first = sources[0]
+    dtype = first.dtype
+    return (
+        dtype in (torch.float32, torch.bfloat16)
+        and first.dim() == 2
+        and 0 < first.shape[0] <= MAX_ROWS
+        and len(sources) <= MIX_MAX_SOURCES
+        and all(s.shape == first.shape for s in sources)
+        and _usable(sources, dtype)
+        and _usable(weights, dtype)
+        and all(w.numel() == first.shape[1] for w in weights)
+    )
+
+
+def mix_norm(sources: list[torch.Tensor], mix_w: torch.Tensor, query: torch.Tensor, mix_eps: float,
+             norm_w: torch.Tensor | None, norm_eps: float) -> torch.Tensor:  # fmt: skip
+    """RMSNorm(attn_res_mix(sources[:-1], sources[-1], mix_w, query, mix_eps); norm_w, norm_eps) for [T, D] sources
+    (the bank in order, the partial sum last) in one call; `norm_w=None` returns the mix itself. The caller checked
+    `mix_norm_apply` and `available`."""
+    T, D = sources[0].shape
+    out = torch.empty_like(sources[0])
+    rc = _lib.openk3_mix_norm(int(out.dtype == torch.bfloat16), T, D, len(sources), _pointers(sources),
+                              mix_w.data_ptr(), query.data_ptr(), mix_eps,
+                              None if norm_w is None else norm_w.data_ptr(), norm_eps, out.data_ptr())  # fmt: skip
+    if rc:
+        raise RuntimeError(f"openk3_mix_norm failed ({rc}) for T={T} D={D} S={len(sources)}")
+    return out
+
+
+def moe_decode_apply(x_TD: torch.Tensor, tensors: list[torch.Tensor], bias_E: torch.Tensor) -> bool:
+    """Whether `moe_decode` takes these tokens (at most MAX_ROWS), matrices and norm weight (one dtype, fp32 or bf16)
+    and the fp32 router bias: contiguous plain CPU tensors without autograd."""
+    dtype = x_TD.dtype
+    return (
+        dtype in (torch.float32, torch.bfloat16)
+        and x_TD.dim() == 2
+        and 0 < x_TD.shape[0] <= MAX_ROWS
+        and _usable((x_TD, *tensors), dtype)
+        and _usable((bias_E,), torch.float32)
+    )
+
+
+MOE_MAX_TOP_K = 64  # the C kernel's bounds
+MOE_MAX_EXPERTS = 8192
+
+
+def moe_decode(x_TD: torch.Tensor, w_gate: torch.Tensor, bias_E: torch.Tensor, top_k: int, renormalize: bool,
+               scaling: float, routes_Tk: torch.Tensor | None, w_down: torch.Tensor, w1: torch.Tensor,
+               w3: torch.Tensor, w2: torch.Tensor, norm_w: torch.Tensor, norm_eps: float, w_up: torch.Tensor,
+               shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, beta: float,
+               linear_beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A StableLatentMoE layer's decode step, one kernel call per token (the C file's `openk3_moe_decode`): the router
+    (sigmoid scores of W_gate [E, D], the top-k of scores + bias_E with ties to the lower expert id, or the replayed
+    `routes_Tk`), the down projection, the experts of the stacked w1, w3 [E, F, Lt] and w2 [E, Lt, F] and their
+    weighted sum, the latent norm, the up projection and the shared experts (gate, up, down matrices, or None).
+    Returns (out [T, D], router scores [T, E] fp32, experts [T, k] int64 ascending). The caller checked
+    `moe_decode_apply` and `available`."""
+    T, D = x_TD.shape
+    E, F_, Lt = w1.shape
+    if not 0 < top_k <= min(E, MOE_MAX_TOP_K) or E > MOE_MAX_EXPERTS:
+        raise ValueError(f"moe_decode takes 0 < top_k <= min(E, {MOE_MAX_TOP_K}) and E <= {MOE_MAX_EXPERTS}, got "
+                         f"top_k={top_k}, E={E}")  # fmt: skip
+    x = x_TD.contiguous()
+    out = torch.empty(T, D, dtype=x.dtype)
+    scores = torch.empty(T, E, dtype=torch.float32)
+    weights = torch.empty(T, top_k, dtype=torch.float32)
+    if routes_Tk is None:
+        idx = torch.empty(T, top_k, dtype=torch.int64)
+    else:
+        idx = routes_Tk.to(torch.int64).sort(dim=-1).values.contiguous()
+    gate, up, down = shared if shared is not None else (None, None, None)
+    rest = (w_down.data_ptr(), w1.data_ptr(), w3.data_ptr(), w2.data_ptr(), norm_w.data_ptr(), norm_eps,
+            w_up.data_ptr(), *(None if t is None else t.data_ptr() for t in (gate, up, down)), beta, linear_beta)  # fmt: skip
+    is_bf16, Fs = int(x.dtype == torch.bfloat16), 0 if gate is None else gate.shape[0]
+    size = x.element_size()
+    for t in range(T):
+        rc = _lib.openk3_moe_decode(is_bf16, D, Lt, F_, Fs, E, top_k, x.data_ptr() + t * D * size, w_gate.data_ptr(),
+                                    bias_E.data_ptr(), int(renormalize), scaling, int(routes_Tk is not None),
+                                    idx.data_ptr() + t * top_k * 8, scores.data_ptr() + t * E * 4,
+                                    weights.data_ptr() + t * top_k * 4, *rest, out.data_ptr() + t * D * size)  # fmt: skip
+        if rc == 3:
+            raise ValueError(f"routed experts of token {t} must be {top_k} distinct ids in [0, {E}), got "
+                             f"{routes_Tk[t].tolist()}")  # fmt: skip
+        if rc:
+            raise RuntimeError(f"openk3_moe_decode failed ({rc}) for top_k={top_k}, E={E}")
+    return out, scores, idx

@@ -2,7 +2,8 @@
 batch. They implement the entry interface of model/cache.py, so the model runs unchanged on paged memory:
 
     KDA view: load() gathers the batch's slots; store() scatters the new state and tails back; record() keeps the
-              inputs of a verify pass (spec/serving.md §4.3) as a `KDARecord` for the fold
+              inputs of a verify pass (spec/serving.md §4.3) as a `KDARecord` for the fold; decode_in_out() hands
+              the fused CPU decode kernel the pools and slots to update in place
     MLA view: append(x, lens) writes every sequence's new latents into its pages in one index_copy; past(i) reads
               sequence i's latents (a view of the pool when its pages are consecutive); block() gathers every
               sequence through its page table into one right-padded [N, S_max, R] block in one index_select
@@ -20,6 +21,7 @@ import torch
 
 from typing import NamedTuple
 
+from openk3.model.cache import KDAInOut
 from openk3.ops.kda.step import KDASteps
 from openk3.serve.kv.block_pool import HybridPools
 
@@ -46,6 +48,14 @@ class KDASlotView:
         for j in range(3):
             conv[j].index_copy_(0, self.slots_N, tails[j].to(conv.dtype))
         self.pools.state_NkSHKV[self.index].index_copy_(0, self.slots_N, state_NHKV)
+
+    def decode_in_out(self) -> KDAInOut:
+        """The fused decode kernel updates the batch's slots of the pools in place (no gather, no scatter)."""
+        conv = self.pools.conv_Nk3SWP[self.index]
+        tails = (conv[0], conv[1], conv[2])
+        state = self.pools.state_NkSHKV[self.index]
+        rows = self.slots_N.tolist()
+        return KDAInOut(tails, state, rows, tails, state, rows, lambda: None)
 
     def record(self, steps: KDASteps, pre_conv_NGP: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         assert self.records is not None, "record() outside a verify pass"

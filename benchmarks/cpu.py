@@ -203,11 +203,12 @@ class LlamaSide:
 
     name = "llama.cpp"
 
-    def __init__(self, llama_cpp, path: str, threads: int, prefill_tokens: int, decode_tokens: int):
+    def __init__(self, llama_cpp, path: str, threads: int, prefill_tokens: int, decode_tokens: int,
+                 use_mmap: bool = True):  # fmt: skip
         batch = max(512, prefill_tokens)
         n_ctx = max(1024, prefill_tokens + 8, PROMPT_TOKENS + decode_tokens + 8)
         self.settings = {"n_ctx": n_ctx, "n_batch": batch, "n_ubatch": batch, "n_threads": threads,
-                         "n_threads_batch": threads, "logits_all": False}  # fmt: skip
+                         "n_threads_batch": threads, "logits_all": False, "use_mmap": use_mmap}  # fmt: skip
         self.llm = llama_cpp.Llama(model_path=path, verbose=False, **self.settings)
 
     def prefill(self, ids: list[int]) -> float:
@@ -330,7 +331,8 @@ def measure_side(spec: dict) -> dict:
         llama_cpp, why = import_llama_cpp(False)
         if llama_cpp is None:
             raise RuntimeError(why)
-        side = LlamaSide(llama_cpp, spec["gguf"], spec["threads"], len(spec["ids"]), len(spec["feed"]))
+        side = LlamaSide(llama_cpp, spec["gguf"], spec["threads"], len(spec["ids"]), len(spec["feed"]),
+                         spec["use_mmap"])  # fmt: skip
     side.prefill(spec["warm_ids"])
     side.decode(spec["prompt"], spec["prompt"][:4])
     prefill_s = side.prefill(spec["ids"])
@@ -419,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="OMP_WAIT_POLICY of both sides; auto: passive when the load average before the run is above "
                         "0.5, else the runtimes' defaults (the process re-executes itself to set it)")  # fmt: skip
     p.add_argument("--no-llamacpp", action="store_true", help="openk3's side only (llama.cpp's: not measured)")
+    p.add_argument("--llama-no-mmap", action="store_true",
+                   help="load llama.cpp's weights into memory instead of mapping the GGUF (its default maps it; on "
+                        "this 2-core VM, reading mapped 4 KiB pages made its decode ~20%% slower)")  # fmt: skip
     p.add_argument(
         "--out-dir",
         default=None,
@@ -464,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         ggufs = {d: cached_gguf(ckpt, OUTTYPES[d], fp32_model) for d in dtypes}
         result["gguf"] = ggufs
         for d in dtypes:
-            specs[d]["llama.cpp"] = {"gguf": ggufs[d], "threads": threads}
+            specs[d]["llama.cpp"] = {"gguf": ggufs[d], "threads": threads, "use_mmap": not args.llama_no_mmap}
         result["llamacpp"].update(version=llama_cpp.__version__,
                                   system_info=llama_cpp.llama_print_system_info().decode().strip())  # fmt: skip
     result["rounds"] = run_rounds(specs, args, id_limit)

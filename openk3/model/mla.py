@@ -14,7 +14,8 @@ latents its queries attend over (`MLAContext`: which tokens, which latents, whic
 (full), the all-gathered shard latents with the global document mask under context parallelism (parallel/cp.py),
 or the cache's past + new latents (extend, verify). The context is expanded with kv_b_proj and attended once per
 context. A decode step (one new token per sequence on a cache) instead uses the absorbed form over the batched
-block-table view of the cache (ops/attention/mla.py), which never expands cached latents.
+block-table view of the cache (ops/attention/mla.py), which never expands cached latents; on CPU as two C kernels
+around the cache append (`_decode_fused`; the torch path is their reference).
 
 Legend: T packed tokens, N sequences, B rows of one context, L queries per row, S context positions, H heads,
 R = kv_lora_rank + rope, Dqk = nope + rope, Dv value head dim, D hidden.
@@ -31,6 +32,7 @@ from openk3.config import K3TextConfig
 from openk3.model.batch import ForwardBatch, Mode
 from openk3.model.cache import MLACache
 from openk3.model.layers import Linear, RMSNorm
+from openk3.ops import dispatch
 from openk3.ops.attention.mla import absorbed_weights, mla_decode
 from openk3.ops.attention.ref import causal_attention
 
@@ -123,6 +125,10 @@ class GatedMLA(nn.Module):
         return self._absorbed[1]
 
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: MLACache | None = None) -> torch.Tensor:
+        if batch.mode is Mode.DECODE and batch.context_parallel is None:
+            out = self._decode_fused(x_TD, batch, cache)
+            if out is not None:
+                return out
         q_THD = self.queries(x_TD)
         latent_TR = self.latent(x_TD)
         if batch.mode is Mode.DECODE:
@@ -141,6 +147,22 @@ class GatedMLA(nn.Module):
             k, v = self.expand(ctx.latent_BSR)
             outs.append(causal_attention(q_BLHD, k, v, self.scale, ctx.mask_BLS).flatten(0, 1))
         return self.output(torch.cat(outs) if len(outs) > 1 else outs[0], x_TD)
+
+    def _decode_fused(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> torch.Tensor | None:
+        """A DECODE step in two kernel calls around the cache append (`ops.dispatch.fused_mla_decode`: projections
+        and norms; the absorbed attention over the cache block and the gated o_proj); None where they do not apply
+        (the caller runs the torch path below, their reference). Checked before anything is appended."""
+        w_uk, w_uv = self.absorbed()
+        tensors = [self.q_a_proj.weight, self.q_a_layernorm.weight, self.q_b_proj.weight, self.kv_a_proj_with_mqa.weight,
+                   self.kv_a_layernorm.weight, self.g_proj.weight, self.o_proj.weight]  # fmt: skip
+        fns = dispatch.fused_mla_decode(x_TD, tensors, [w_uk, w_uv])
+        if fns is None:
+            return None
+        decode_in, decode_out = fns
+        q_TQ, latent_TR, g_TG = decode_in(x_TD, *tensors[:6], MLA_LORA_NORM_EPS)
+        cache.append(latent_TR, batch.seq_lens)
+        latent_NSR, len_N = cache.block()
+        return decode_out(q_TQ, latent_NSR, len_N.tolist(), w_uk, w_uv, self.scale, g_TG, tensors[6])
 
     def queries(self, x_TD: torch.Tensor) -> torch.Tensor:
         """[T, H, nope + rope]."""

@@ -15,7 +15,9 @@ on CPU, "ref" elsewhere): one decode token's routed experts, or a dense SiTU MLP
 (`fused_experts` tells the model whether to use it). `kda_decode` and `mix_norm` ("fused" on CPU, "ref" = the
 torch path in model/) are a whole KDA layer's decode step (its input to o_proj's output), and a Block AttnRes mix with
 the RMSNorm after it; `moe_decode` ("fused" on CPU) a StableLatentMoE layer's decode step (router included);
-`fused_kda_decode` / `fused_mix_norm` / `fused_moe_decode` return the kernel where it applies, else None.
+`mla_decode` ("fused" on CPU) a gated MLA layer's decode step in two kernels (projections and norms; attention and
+the gated o_proj, around the cache append); `fused_kda_decode` / `fused_mix_norm` / `fused_moe_decode` /
+`fused_mla_decode` return the kernel(s) where they apply, else None.
 `linear_many` runs several projections of one input in one kernel call under "gemv" (fp32 or bf16), else one
 `linear` each.
 """
@@ -58,8 +60,10 @@ IMPLS: dict[str, dict[str, Callable]] = {
     "kda_decode": {"ref": None, "fused": cpu_kernels.kda_decode},
     "mix_norm": {"ref": None, "fused": cpu_kernels.mix_norm},
     "moe_decode": {"ref": None, "fused": cpu_kernels.moe_decode},
+    "mla_decode": {"ref": None, "fused": (cpu_kernels.mla_decode_in, cpu_kernels.mla_decode_out)},
 }
-CPU_DEFAULTS = {"linear": "gemv", "experts": "fused", "kda_decode": "fused", "mix_norm": "fused", "moe_decode": "fused"}
+CPU_DEFAULTS = {"linear": "gemv", "experts": "fused", "kda_decode": "fused", "mix_norm": "fused", "moe_decode": "fused",
+                "mla_decode": "fused"}  # fmt: skip
 _forced: dict[str, str] = {}
 
 
@@ -152,11 +156,20 @@ def fused_mix_norm(sources: list[torch.Tensor], weights: list[torch.Tensor]):
 
 def fused_moe_decode(x_TD: torch.Tensor, tensors: list[torch.Tensor], bias_E: torch.Tensor):
     """`cpu_kernels.moe_decode` when selected, built and applicable to these tokens, matrices and router bias
-    (`moe_decode_apply`), else None (model/moe.py runs its torch path)."""
+    (`decode_apply`), else None (model/moe.py runs its torch path)."""
     fn = IMPLS["moe_decode"][select("moe_decode", x_TD.device)]
-    if fn is None or not cpu_kernels.moe_decode_apply(x_TD, tensors, bias_E):
+    if fn is None or not cpu_kernels.decode_apply(x_TD, tensors, [bias_E]):
         return None
     return fn if cpu_kernels.available() else None
+
+
+def fused_mla_decode(x_ND: torch.Tensor, tensors: list[torch.Tensor], fp32_tensors: list[torch.Tensor]):
+    """(`cpu_kernels.mla_decode_in`, `cpu_kernels.mla_decode_out`) when selected, built and applicable
+    (`decode_apply`), else None (model/mla.py runs its torch path)."""
+    fns = IMPLS["mla_decode"][select("mla_decode", x_ND.device)]
+    if fns is None or not cpu_kernels.decode_apply(x_ND, tensors, fp32_tensors):
+        return None
+    return fns if cpu_kernels.available() else None
 
 
 def kda_verify(q_NGHK: torch.Tensor, *args) -> tuple[torch.Tensor, KDASteps]:

@@ -1,6 +1,6 @@
 """The fused decode kernels of whole layer parts (ops/cpu_kernels: `linear_many`, `kda_decode`, `mix_norm`,
-`moe_decode`) against their torch references (F.linear; model/kda.py's torch decode path; norm(attnres.mix(...));
-model/moe.py's torch path), on random weights, ragged sizes, several sequences, extreme values, fp32 and bf16; the
+`moe_decode`, `mla_decode_in/out`) against their torch references (F.linear; the torch decode paths of model/kda.py,
+model/moe.py and model/mla.py; norm(attnres.mix(...))), on random weights, ragged sizes, several sequences, extreme values, fp32 and bf16; the
 in-place update of serving's pools equals the fresh-output one; the dispatch falls back where a kernel does not apply.
 The engine-level equivalence (prefix hits, speculative verify + fold, mixed chunks, preemption) is in
 tests/serve/test_decode_kernels_engine.py."""
@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from openk3.config import K3Config
 from openk3.model.attnres import mix, mix_norm
 from openk3.model.batch import ForwardBatch, Mode
-from openk3.model.cache import KDAInOut, KDAState
+from openk3.model.cache import KDAInOut, KDAState, MLACache
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.layers import RMSNorm
+from openk3.model.mla import GatedMLA
 from openk3.model.moe import StableLatentMoE
 from openk3.ops import cpu_kernels, dispatch
 from openk3.utils import rel_rms
@@ -101,7 +102,7 @@ def _kda_cache(layer, N, dtype, seed, scale=1.0):
 
 
 def _decode(layer, x, cache):
-    batch = ForwardBatch.from_lengths(torch.zeros(x.shape[0], dtype=torch.long), [1] * x.shape[0], cache=_Cache(cache))
+    batch = ForwardBatch.from_lengths(torch.zeros(x.shape[0], dtype=torch.long), [1] * x.shape[0], cache=_Cache(x.shape[0]))
     assert batch.mode is Mode.DECODE
     with torch.no_grad():
         return layer(x, batch, cache)
@@ -110,8 +111,8 @@ def _decode(layer, x, cache):
 class _Cache:
     """The smallest K3Cache stand-in a DECODE ForwardBatch accepts (the layer gets its entry directly)."""
 
-    def __init__(self, entry):
-        self.num_seqs = entry.recurrent_NHKV.shape[0]
+    def __init__(self, num_seqs: int):
+        self.num_seqs = num_seqs
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -316,3 +317,53 @@ def test_moe_decode_falls_back_and_checks_replayed_routes():
         if k > 1:
             with pytest.raises(ValueError, match="distinct ids"):
                 moe._decode_fused(x, torch.tensor([[0] * k]))  # repeated
+
+
+# ---- MLA decode ------------------------------------------------------------------------------------------------
+
+
+def _mla(dtype, seed=0):
+    layer = GatedMLA(K3Config.preset("tiny").text_config)
+    _randomize(layer, seed)
+    return layer.to(dtype).requires_grad_(False)
+
+
+def _mla_cache(layer, lengths, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    R = layer.kv_rank + layer.rope
+    return MLACache([(torch.randn(n, R, generator=g) * scale).to(dtype) for n in lengths])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("lengths", [[4], [5, 1, 9]])  # ragged: the block pads the shorter sequences
+@pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: a softmax saturated on one position
+def test_mla_decode_equals_the_torch_path(dtype, lengths, scale):
+    layer = _mla(dtype, seed=len(lengths))
+    N = len(lengths)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(N, layer.q_a_proj.weight.shape[1], generator=g) * scale).to(dtype)
+    ours, ref = _mla_cache(layer, lengths, dtype, 6, scale), _mla_cache(layer, lengths, dtype, 6, scale)
+    batch = ForwardBatch.from_lengths(torch.zeros(N, dtype=torch.long), [1] * N, cache=_Cache(N))
+    with torch.no_grad():
+        assert dispatch.fused_mla_decode(x, [layer.q_a_proj.weight], list(layer.absorbed())) is not None
+        out = layer(x, batch, ours)
+        with torch_path():
+            expected = layer(x, batch, ref)
+    _close(out, expected, dtype)
+    for a, b, n in zip(ours.latents, ref.latents, lengths):  # the new latent appended, the old ones untouched
+        assert a.shape == b.shape == (n + 1, layer.kv_rank + layer.rope)
+        assert torch.equal(a[:n], b[:n])
+        _close(a[n:], b[n:], dtype)
+
+
+def test_mla_decode_falls_back_before_touching_the_cache():
+    layer = _mla(torch.float32)
+    x = torch.randn(1, layer.q_a_proj.weight.shape[1])
+    cache = _mla_cache(layer, [3], torch.float32, 0)
+    batch = ForwardBatch.from_lengths(torch.zeros(1, dtype=torch.long), [1], cache=_Cache(1))
+    with torch.no_grad():
+        assert layer._decode_fused(x.bfloat16(), batch, cache) is None  # dtype mismatch
+        assert cache.latents[0].shape[0] == 3  # nothing appended
+        with dispatch.use_impl("mla_decode", "ref"):
+            assert layer._decode_fused(x, batch, cache) is None
+        assert layer._decode_fused(x, batch, cache) is not None and cache.latents[0].shape[0] == 4

@@ -5,6 +5,8 @@
     ys = linear_many(x, [W1, W2, ...])     # several projections of one input (fp32 or bf16) in one call
     y = kda_decode(x, io, ...)             # a whole KDA layer's decode step (projections to o_proj), state in io
     y, s, i = moe_decode(x, ...)           # a StableLatentMoE layer's decode step (router, experts, shared experts)
+    q, lat, g = mla_decode_in(x, ...)      # a gated MLA layer's decode step: its projections and norms ...
+    y = mla_decode_out(q, block, ...)      # ... then, after the cache append, attention and the gated o_proj
     y = mix_norm(sources, ...)             # a Block AttnRes mix and the RMSNorm after it, for decode rows
 
 The plain references are `torch.nn.functional.linear`, the torch expert path of model/moe.py (and DenseMLP), the
@@ -96,6 +98,12 @@ def _build() -> ctypes.CDLL:
     fn = lib.openk3_moe_decode
     fn.argtypes = [ctypes.c_int, i64, i64, i64, i64, i64, i64, vp, vp, vp, ctypes.c_int, f32, ctypes.c_int, vp, vp, vp,
                    vp, vp, vp, vp, vp, f32, vp, vp, vp, vp, f32, f32, vp]  # fmt: skip
+    fn.restype = ctypes.c_int
+    fn = lib.openk3_mla_decode_in
+    fn.argtypes = [ctypes.c_int, i64, i64, i64, i64, i64, i64, i64, vp, vp, vp, vp, vp, vp, vp, f32, vp, vp, vp]
+    fn.restype = ctypes.c_int
+    fn = lib.openk3_mla_decode_out
+    fn.argtypes = [ctypes.c_int, i64, i64, i64, i64, i64, i64, i64, i64, vp, vp, vp, vp, vp, f32, vp, vp, vp]
     fn.restype = ctypes.c_int
     fn = lib.openk3_mix_norm
     fn.argtypes = [ctypes.c_int, i64, i64, i64, ptrs, vp, vp, f32, vp, f32, vp]
@@ -303,16 +311,17 @@ def mix_norm(sources: list[torch.Tensor], mix_w: torch.Tensor, query: torch.Tens
     return out
 
 
-def moe_decode_apply(x_TD: torch.Tensor, tensors: list[torch.Tensor], bias_E: torch.Tensor) -> bool:
-    """Whether `moe_decode` takes these tokens (at most MAX_ROWS), matrices and norm weight (one dtype, fp32 or bf16)
-    and the fp32 router bias: contiguous plain CPU tensors without autograd."""
-    dtype = x_TD.dtype
+def decode_apply(x_ND: torch.Tensor, tensors: list[torch.Tensor], fp32_tensors: list[torch.Tensor]) -> bool:
+    """Whether a layer decode kernel (`moe_decode`, `mla_decode_in`/`_out`) takes x [N, D] (0 < N <= MAX_ROWS),
+    these matrices and norm weights (x's dtype, fp32 or bf16) and these fp32 tensors (the router bias, the absorbed
+    MLA weights): contiguous plain CPU tensors without autograd."""
+    dtype = x_ND.dtype
     return (
         dtype in (torch.float32, torch.bfloat16)
-        and x_TD.dim() == 2
-        and 0 < x_TD.shape[0] <= MAX_ROWS
-        and _usable((x_TD, *tensors), dtype)
-        and _usable((bias_E,), torch.float32)
+        and x_ND.dim() == 2
+        and 0 < x_ND.shape[0] <= MAX_ROWS
+        and _usable((x_ND, *tensors), dtype)
+        and _usable(fp32_tensors, torch.float32)
     )
 
 
@@ -330,7 +339,7 @@ def moe_decode(x_TD: torch.Tensor, w_gate: torch.Tensor, bias_E: torch.Tensor, t
     `routes_Tk`), the down projection, the experts of the stacked w1, w3 [E, F, Lt] and w2 [E, Lt, F] and their
     weighted sum, the latent norm, the up projection and the shared experts (gate, up, down matrices, or None).
     Returns (out [T, D], router scores [T, E] fp32, experts [T, k] int64 ascending). The caller checked
-    `moe_decode_apply` and `available`."""
+    `decode_apply` and `available`."""
     T, D = x_TD.shape
     E, F_, Lt = w1.shape
     if not 0 < top_k <= min(E, MOE_MAX_TOP_K) or E > MOE_MAX_EXPERTS:
@@ -360,3 +369,41 @@ def moe_decode(x_TD: torch.Tensor, w_gate: torch.Tensor, bias_E: torch.Tensor, t
         if rc:
             raise RuntimeError(f"openk3_moe_decode failed ({rc}) for top_k={top_k}, E={E}")
     return out, scores, idx
+
+
+def mla_decode_in(x_ND: torch.Tensor, w_qa: torch.Tensor, qa_norm: torch.Tensor, w_qb: torch.Tensor,
+                  w_kva: torch.Tensor, kv_norm: torch.Tensor, w_g: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A gated MLA layer's decode inputs in one call (the C file's `openk3_mla_decode_in`): x [N, D] -> (queries
+    [N, H * (nope + rope)], the new latents [N, r + rope] = [normed c ; k_pe], g_proj's output [N, H * Dv]). The
+    caller checked `decode_apply` and `available`."""
+    N, D = x_ND.shape
+    Lq, Q, R, r, G = w_qa.shape[0], w_qb.shape[0], w_kva.shape[0], kv_norm.shape[0], w_g.shape[0]
+    q, latent, g = (torch.empty(N, n, dtype=x_ND.dtype) for n in (Q, R, G))
+    rc = _lib.openk3_mla_decode_in(int(x_ND.dtype == torch.bfloat16), N, D, Lq, Q, R, r, G, x_ND.data_ptr(),
+                                   w_qa.data_ptr(), qa_norm.data_ptr(), w_qb.data_ptr(), w_kva.data_ptr(),
+                                   kv_norm.data_ptr(), w_g.data_ptr(), eps, q.data_ptr(), latent.data_ptr(),
+                                   g.data_ptr())  # fmt: skip
+    if rc:
+        raise RuntimeError(f"openk3_mla_decode_in refused N={N} (at most {MAX_ROWS}), r={r}, r + rope={R}")
+    return q, latent, g
+
+
+def mla_decode_out(q_NQ: torch.Tensor, latent_NSR: torch.Tensor, lens: list[int], w_uk: torch.Tensor,
+                   w_uv: torch.Tensor, scale: float, g_NG: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Attention of the decode queries q [N, H * (nope + rope)] over the cached latents [N, S, R] (sequence n's first
+    lens[n]) in the absorbed form (fp32 W_uk [H, nope, r] and W_uv^T [H, r, Dv] of `absorbed_weights`), the sigmoid
+    gate of g [N, H * Dv] and o_proj: [N, D] (the C file's `openk3_mla_decode_out`). The caller checked
+    `decode_apply` and `available`."""
+    N, S, R = latent_NSR.shape
+    H, nope, r = w_uk.shape
+    Dv, D = w_uv.shape[2], w_o.shape[0]
+    out = torch.empty(N, D, dtype=q_NQ.dtype)
+    lens_arr = (ctypes.c_int64 * N)(*lens)
+    latent = latent_NSR.contiguous()
+    rc = _lib.openk3_mla_decode_out(int(q_NQ.dtype == torch.bfloat16), N, H, nope, R - r, r, Dv, D, S,
+                                    q_NQ.data_ptr(), latent.data_ptr(), lens_arr, w_uk.data_ptr(), w_uv.data_ptr(),
+                                    scale, g_NG.data_ptr(), w_o.data_ptr(), out.data_ptr())  # fmt: skip
+    if rc:
+        raise RuntimeError(f"openk3_mla_decode_out failed ({rc}) for N={N}, S={S}, lengths {lens}")
+    return out

@@ -608,3 +608,123 @@ int openk3_moe_decode(int is_bf16, int64_t D, int64_t Lt, int64_t F, int64_t Fs,
     free(buf);
     return 0;
 }
+
+/* ---- Gated MLA decode, in two calls around the cache append --------------------------------------------------
+ * (model/mla.py GatedMLA.forward, DECODE mode, absorbed form of ops/attention/mla.py; one token per sequence,
+ * N <= MAX_ROWS; rnd as above.)
+ * openk3_mla_decode_in: the layer's new token, x [N, D] ->
+ *   q [N, H * (nope + rope)] = rnd(W_qb cq),  cq = w_qa_norm rnd(q_a / sqrt(mean q_a^2 + eps)),  q_a = rnd(W_qa x)
+ *   latent [N, r + rope] = [w_kv_norm rnd(c / sqrt(mean c^2 + eps)) ; k_pe],  [c ; k_pe] = rnd(W_kva x)
+ *   g [N, H * Dv] = rnd(W_g x)
+ * (the norms with rms_norm's roundings: rnd(w rnd(normed))); W_qa [Lq, D], W_qb [H Dqk, Lq], W_kva [r + rope, D],
+ * W_g [H Dv, D], all in the activation dtype, like the outputs. */
+int openk3_mla_decode_in(int is_bf16, int64_t N, int64_t D, int64_t Lq, int64_t Q, int64_t R, int64_t r, int64_t G,
+                         const void *x, const void *w_qa, const void *qa_norm, const void *w_qb, const void *w_kva,
+                         const void *kv_norm, const void *w_g, float eps, void *q, void *latent, void *g) {
+    if (N < 1 || N > MAX_ROWS || r > R) return 1;
+    float *mem = malloc(sizeof(float) * (size_t)(N * (D + Lq + R)));
+    if (!mem) return 2;
+    float *xf = mem, *qa = xf + N * D, *kv = qa + N * Lq;
+    for (int64_t i = 0; i < N * D; i++) xf[i] = load_any(is_bf16, x, i);
+    const void *in_w[3] = {w_qa, w_kva, w_g};
+    const int64_t in_rows[3] = {Lq, R, G};
+    void *in_out[3] = {qa, kv, g};
+#pragma omp parallel
+    {
+        /* q_a and the latent projection to fp32 buffers (rounded), g straight to its output: one loop over all rows */
+        gemv_blocks(is_bf16, 2, in_w, in_rows, xf, N, D, in_out, 1);
+        gemv_blocks(is_bf16, 1, in_w + 2, in_rows + 2, xf, N, D, in_out + 2, 0);
+#pragma omp single
+        for (int64_t m = 0; m < N; m++) { /* the two norms (1e-6 in K3) */
+            float *rows[2] = {qa + m * Lq, kv + m * R};
+            const int64_t width[2] = {Lq, r};
+            const void *w[2] = {qa_norm, kv_norm};
+            for (int p = 0; p < 2; p++) {
+                const float rs = 1.0f / sqrtf(dot_f32(rows[p], rows[p], width[p]) / (float)width[p] + eps);
+                for (int64_t c = 0; c < width[p]; c++) {
+                    float v = rows[p][c] * rs;
+                    if (is_bf16) v = round_bf16(v);
+                    v = load_any(is_bf16, w[p], c) * v;
+                    rows[p][c] = is_bf16 ? round_bf16(v) : v;
+                }
+            }
+            for (int64_t c = 0; c < R; c++) store_any(is_bf16, latent, m * R + c, kv[m * R + c]);
+        }
+        gemv_blocks(is_bf16, 1, &w_qb, &Q, qa, N, Lq, &q, 0);
+    }
+    free(mem);
+    return 0;
+}
+
+/* openk3_mla_decode_out: attention over the cache and the gated output, per sequence n and head h:
+ *   q_lat = W_uk[h]^T q_nope;  s_j = [q_lat ; q_pe] . latent_j * scale  (j < len[n]);  p = softmax(s)
+ *   o[h] = rnd(W_uv[h]^T sum_j p_j c_j)      (ops/attention/mla.py mla_decode, fp32; c_j = latent_j[:r])
+ *   out = rnd(W_o rnd(o rnd(sigmoid(g))))   (GatedMLA.output, o_proj)
+ * q [N, H, nope + rope], latent [N, S, R] (positions past len[n] unread), g [N, H Dv], W_o [D, H Dv], out [N, D] in
+ * the activation dtype; W_uk [H, nope, r] and W_uv^T [H, r, Dv] fp32 (`absorbed_weights`). */
+int openk3_mla_decode_out(int is_bf16, int64_t N, int64_t H, int64_t nope, int64_t rope, int64_t r, int64_t Dv,
+                          int64_t D, int64_t S, const void *q, const void *latent, const int64_t *len,
+                          const float *w_uk, const float *w_uv, float scale, const void *g, const void *w_o,
+                          void *out) {
+    if (N < 1 || N > MAX_ROWS || S < 1) return 1;
+    for (int64_t n = 0; n < N; n++)
+        if (len[n] < 1 || len[n] > S) return 1;
+    const int64_t R = r + rope, Dqk = nope + rope, HV = H * Dv;
+    float *mem = malloc(sizeof(float) * (size_t)(N * S * R + N * HV));
+    if (!mem) return 2;
+    float *lat = mem, *o = lat + N * S * R;
+    int failed = 0;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < N * S; i++) /* the latents in fp32 once (every head reads them) */
+            for (int64_t c = 0; c < R; c++) lat[i * R + c] = load_any(is_bf16, latent, i * R + c);
+        float *buf = malloc(sizeof(float) * (size_t)(R + S + r + Dv));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t nh = 0; nh < N * H; nh++) {
+            if (!buf) continue;
+            const int64_t n = nh / H, h = nh % H, L = len[n];
+            float *qR = buf, *s = qR + R, *ol = s + S, *ov = ol + r;
+            for (int64_t c = 0; c < r; c++) qR[c] = 0.0f;
+            for (int64_t d = 0; d < nope; d++) {
+                const float qd = load_any(is_bf16, q, (n * H + h) * Dqk + d);
+                const float *wk = w_uk + (h * nope + d) * r;
+                for (int64_t c = 0; c < r; c++) qR[c] += qd * wk[c];
+            }
+            for (int64_t c = 0; c < rope; c++) qR[r + c] = load_any(is_bf16, q, (n * H + h) * Dqk + nope + c);
+            for (int64_t c = 0; c < R; c++) qR[c] *= scale;
+            float top = -INFINITY;
+            for (int64_t j = 0; j < L; j++) {
+                s[j] = dot_f32(qR, lat + (n * S + j) * R, R);
+                if (s[j] > top) top = s[j];
+            }
+            float z = 0.0f;
+            for (int64_t j = 0; j < L; j++) s[j] = expf(s[j] - top), z += s[j];
+            for (int64_t c = 0; c < r; c++) ol[c] = 0.0f;
+            for (int64_t j = 0; j < L; j++) {
+                const float pj = s[j] / z, *lj = lat + (n * S + j) * R;
+                for (int64_t c = 0; c < r; c++) ol[c] += pj * lj[c];
+            }
+            for (int64_t v = 0; v < Dv; v++) ov[v] = 0.0f;
+            for (int64_t c = 0; c < r; c++) {
+                const float oc = ol[c], *wv = w_uv + (h * r + c) * Dv;
+                for (int64_t v = 0; v < Dv; v++) ov[v] += oc * wv[v];
+            }
+            for (int64_t v = 0; v < Dv; v++) {
+                const int64_t i = n * HV + h * Dv + v;
+                float sg = sigmoidf(load_any(is_bf16, g, i)), a = ov[v];
+                if (is_bf16) sg = round_bf16(sg), a = round_bf16(a);
+                const float y = a * sg;
+                o[i] = is_bf16 ? round_bf16(y) : y;
+            }
+        }
+        free(buf);
+        if (!failed) gemv_blocks(is_bf16, 1, &w_o, &D, o, N, HV, &out, 0);
+    }
+    free(mem);
+    return failed ? 2 : 0;
+}

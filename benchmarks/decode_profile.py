@@ -22,12 +22,13 @@ from openk3.ops import dispatch
 from openk3.serve.request import SamplingParams
 
 KERNELS = tuple(("openk3.ops.cpu_kernels", name)
-                for name in ("linear_gemv", "linear_many", "experts", "moe_decode", "kda_decode", "mix_norm"))  # fmt: skip
+                for name in ("linear_gemv", "linear_many", "experts", "moe_decode", "kda_decode", "mix_norm",
+                             "mla_decode_in", "mla_decode_out"))  # fmt: skip
 
 CATEGORIES = ("matmul", "fused layers", "elementwise", "indexing/copies", "reductions/norms", "other")
-# The kernels that run a whole layer part in one call (its matmuls included): a KDA layer, a MoE layer after
-# routing, an AttnRes mix with its norm.
-FUSED_LAYER_KERNELS = ("kda_decode", "moe_decode", "mix_norm")
+# The kernels that run a whole layer part in one call (its matmuls included): a KDA layer, a MoE layer, a gated MLA
+# layer (two calls), an AttnRes mix with its norm.
+FUSED_LAYER_KERNELS = ("kda_decode", "moe_decode", "mla_decode", "mix_norm")
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "linear", "mv", "addmv", "matmul", "_addmm_activation"}
 ELEMENTWISE_OPS = {"add", "sub", "rsub", "mul", "div", "neg", "exp", "log", "log1p", "expm1", "sigmoid", "silu",
                    "gelu", "relu", "tanh", "rsqrt", "sqrt", "pow", "clamp", "clamp_min", "clamp_max", "where",

@@ -79,7 +79,8 @@ class KimiDeltaAttention(nn.Module):
         """A DECODE step as one kernel call (`ops.dispatch.fused_kda_decode`: the input projections, conv, L2 norms,
         gate, delta step, gated norm and o_proj), updating the cache entry where it lives (`decode_in_out`); None
         where the kernel does not apply (the caller runs the torch path, its reference)."""
-        projections = [p.weight for p in (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.f_a_proj, self.b_proj)]
+        inputs = (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.f_a_proj, self.b_proj)
+        projections = [p.weight for p in inputs]
         w_fb, w_o = self.f_b_proj.weight, self.o_proj.weight
         convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
         A_log, dt_bias, norm_w = self.A_log, self.dt_bias, self.o_norm.weight

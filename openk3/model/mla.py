@@ -153,8 +153,9 @@ class GatedMLA(nn.Module):
         and norms; the absorbed attention over the cache block and the gated o_proj); None where they do not apply
         (the caller runs the torch path below, their reference). Checked before anything is appended."""
         w_uk, w_uv = self.absorbed()
-        tensors = [self.q_a_proj.weight, self.q_a_layernorm.weight, self.q_b_proj.weight, self.kv_a_proj_with_mqa.weight,
-                   self.kv_a_layernorm.weight, self.g_proj.weight, self.o_proj.weight]  # fmt: skip
+        tensors = [self.q_a_proj.weight, self.q_a_layernorm.weight, self.q_b_proj.weight,
+                   self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight, self.g_proj.weight,
+                   self.o_proj.weight]  # fmt: skip
         fns = dispatch.fused_mla_decode(x_TD, tensors, [w_uk, w_uv])
         if fns is None:
             return None

@@ -192,9 +192,10 @@ class StableLatentMoE(nn.Module):
             if (mlp.beta, mlp.linear_beta) != (ex.beta, ex.linear_beta):
                 return None
         w_gate, bias = self.gate.weight, self.gate.e_score_correction_bias
-        w_down, w_up, norm = self.routed_expert_down_proj.weight, self.routed_expert_up_proj.weight, self.routed_expert_norm
-        fused = dispatch.fused_moe_decode(x_TD, [w_gate, w_down, ex.w1, ex.w3, ex.w2, norm.weight, w_up, *(shared or ())],
-                                          bias)  # fmt: skip
+        w_down, w_up = self.routed_expert_down_proj.weight, self.routed_expert_up_proj.weight
+        norm = self.routed_expert_norm
+        matrices = [w_gate, w_down, ex.w1, ex.w3, ex.w2, norm.weight, w_up, *(shared or ())]
+        fused = dispatch.fused_moe_decode(x_TD, matrices, bias)
         if fused is None:
             return None
         out, scores_TE, idx_Tk = fused(x_TD, w_gate, bias, self.top_k, self.renormalize, self.scaling, routes_Tk,

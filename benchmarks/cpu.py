@@ -645,7 +645,7 @@ def markdown(r: dict, dtypes: list[str], args) -> str:
     kernels = r["profile"][dtypes[0]]["annotated_kernels"]
     lines += ["", f"## openk3 decode profile (torch.profiler, {r['profile'][dtypes[0]]['steps']} steps per dtype)", "",
               ("Self CPU time of the ops on the calling thread, per step, by category; matmul includes any custom op "
-               "named *gemv*, *linear_many* or *expert*; fused layers are the kernels that run a whole KDA layer, a "
+               "named *gemv* or *expert*; fused layers are the kernels that run a whole KDA layer, a "
                "MoE layer (router included), a gated MLA layer (two calls around the cache append) or an AttnRes "
                "mix with its norm (their matmuls included). The ctypes kernels, "
                "which the profiler does not see, are each wrapped in a "

@@ -22,7 +22,7 @@ from openk3.ops import dispatch
 from openk3.serve.request import SamplingParams
 
 KERNELS = tuple(("openk3.ops.cpu_kernels", name)
-                for name in ("linear_gemv", "linear_many", "experts", "moe_decode", "kda_decode", "mix_norm",
+                for name in ("linear_gemv", "experts", "moe_decode", "kda_decode", "mix_norm",
                              "mla_decode_in", "mla_decode_out"))  # fmt: skip
 
 CATEGORIES = ("matmul", "fused layers", "elementwise", "indexing/copies", "reductions/norms", "other")
@@ -56,11 +56,11 @@ REDUCTION_OPS = {"sum", "mean", "norm", "linalg_vector_norm", "rms_norm", "_fuse
 
 def op_category(name: str) -> str:
     """The category of a profiler op name (`aten::index_copy_` -> indexing/copies); a custom op whose name contains
-    "gemv", "linear" or "expert" is a matmul, one of `FUSED_LAYER_KERNELS` a fused layer."""
+    "gemv" or "expert" is a matmul, one of `FUSED_LAYER_KERNELS` a fused layer."""
     base = name.split("::", 1)[-1].rstrip("_")
     if any(k in name for k in FUSED_LAYER_KERNELS):
         return "fused layers"
-    if "gemv" in name or "linear_many" in name or "expert" in name or base in MATMUL_OPS:
+    if "gemv" in name or "expert" in name or base in MATMUL_OPS:
         return "matmul"
     for category, ops in (("elementwise", ELEMENTWISE_OPS), ("indexing/copies", COPY_OPS),
                           ("reductions/norms", REDUCTION_OPS)):  # fmt: skip

@@ -18,8 +18,6 @@ the RMSNorm after it; `moe_decode` ("fused" on CPU) a StableLatentMoE layer's de
 `mla_decode` ("fused" on CPU) a gated MLA layer's decode step in two kernels (projections and norms; attention and
 the gated o_proj, around the cache append); `fused_kda_decode` / `fused_mix_norm` / `fused_moe_decode` /
 `fused_mla_decode` return the kernel(s) where they apply, else None.
-`linear_many` runs several projections of one input in one kernel call under "gemv" (fp32 or bf16), else one
-`linear` each.
 """
 
 import contextlib
@@ -126,14 +124,6 @@ def fused_experts(z_TL: torch.Tensor, weights: list[torch.Tensor]):
     if fn is None or not cpu_kernels.experts_apply(z_TL, weights) or not cpu_kernels.available():
         return None
     return fn
-
-
-def linear_many(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[linear(x, W) for W in weights]: one kernel call under "gemv" where `cpu_kernels.linear_many` applies."""
-    if (select("linear", x.device) == "gemv" and cpu_kernels.linear_many_apply(x, weights)
-            and cpu_kernels.available()):  # fmt: skip
-        return cpu_kernels.linear_many(x, weights)
-    return [linear(x, w) for w in weights]
 
 
 def fused_kda_decode(x_ND: torch.Tensor, io, weights: list[torch.Tensor], fp32_params: list[torch.Tensor]):

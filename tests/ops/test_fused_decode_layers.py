@@ -1,7 +1,7 @@
-"""The fused decode kernels of whole layer parts (ops/cpu_kernels: `linear_many`, `kda_decode`, `mix_norm`,
-`moe_decode`, `mla_decode_in/out`) against their torch references (F.linear; the torch decode paths of model/kda.py,
-model/moe.py and model/mla.py; norm(attnres.mix(...))), on random weights, ragged sizes, several sequences, extreme values, fp32 and bf16; the
-in-place update of serving's pools equals the fresh-output one; the dispatch falls back where a kernel does not apply.
+"""The fused decode kernels of whole layer parts (ops/cpu_kernels: `kda_decode`, `mix_norm`, `moe_decode`,
+`mla_decode_in/out`) against their torch references (the torch decode paths of model/kda.py, model/moe.py and
+model/mla.py; norm(attnres.mix(...))), on random weights, ragged sizes, several sequences, extreme values, fp32 and
+bf16; the in-place update of serving's pools equals the fresh-output one; the dispatch falls back where a kernel does not apply.
 The engine-level equivalence (prefix hits, speculative verify + fold, mixed chunks, preemption) is in
 tests/serve/test_decode_kernels_engine.py."""
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from openk3.config import K3Config
 from openk3.model.attnres import mix, mix_norm
@@ -49,33 +48,6 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
         diff = (out.float() - ref.float()).abs()
         assert (diff <= ref.float().abs() * 2**-6 + 1e-2).all()
         assert (diff == 0).float().mean() > 0.8
-
-
-# ---- linear_many ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("I", [1, 70, 128])
-def test_linear_many_equals_linear(dtype, rows, I):
-    g = torch.Generator().manual_seed(rows + I)
-    x = torch.randn(rows, I, generator=g).to(dtype)
-    weights = [torch.randn(O, I, generator=g).to(dtype) for O in (1, 17, 64, 3)]
-    outs = dispatch.linear_many(x, weights)
-    assert len(outs) == len(weights)
-    for y, w in zip(outs, weights):
-        _close(y, F.linear(x, w), dtype)
-    x[0, 0] = float("nan")  # a NaN input poisons its row, nothing else
-    outs = dispatch.linear_many(x, weights)
-    assert all(y[0].isnan().all() and not y[1:].isnan().any() for y in outs)
-
-
-def test_linear_many_falls_back():
-    x, w = torch.randn(9, 16), torch.randn(4, 16)
-    assert not cpu_kernels.linear_many_apply(x, [w])  # more rows than MAX_ROWS
-    assert not cpu_kernels.linear_many_apply(x[:2], [w.bfloat16()])  # mixed dtypes
-    assert not cpu_kernels.linear_many_apply(x[:2], [w.t().contiguous().t()])  # non-contiguous
-    torch.testing.assert_close(dispatch.linear_many(x, [w])[0], F.linear(x, w))
 
 
 # ---- KDA decode ------------------------------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 
     y = linear_gemv(x, W)                  # x [..., I] bf16, at most MAX_ROWS rows; W [O, I] bf16 -> [..., O] bf16
     y = experts(z, w1s, w3s, w2s, w, ...)  # one token's k experts (fp32 or bf16), fused: [1, Lt] -> [1, Lt]
-    ys = linear_many(x, [W1, W2, ...])     # several projections of one input (fp32 or bf16) in one call
     y = kda_decode(x, io, ...)             # a whole KDA layer's decode step (projections to o_proj), state in io
     y, s, i = moe_decode(x, ...)           # a StableLatentMoE layer's decode step (router, experts, shared experts)
     q, lat, g = mla_decode_in(x, ...)      # a gated MLA layer's decode step: its projections and norms ...
@@ -88,9 +87,6 @@ def _build() -> ctypes.CDLL:
                    ptrs, ptrs, ptrs, ctypes.c_void_p, ctypes.c_float, ctypes.c_float, ctypes.c_void_p]  # fmt: skip
     fn.restype = ctypes.c_int
     i64, f32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-    fn = lib.openk3_gemv_multi
-    fn.argtypes = [ctypes.c_int, vp, i64, i64, i64, ptrs, vp, ptrs]
-    fn.restype = ctypes.c_int
     fn = lib.openk3_kda_decode
     fn.argtypes = [ctypes.c_int, i64, i64, i64, i64, i64, vp, ptrs, vp, vp, ptrs, vp, vp, ptrs, vp, vp, ptrs, vp, vp,
                    f32, vp, f32, f32, vp]  # fmt: skip
@@ -207,49 +203,15 @@ def _pointers(tensors) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
 
 
-def linear_many_apply(x: torch.Tensor, weights: list[torch.Tensor]) -> bool:
-    """Whether `linear_many` takes x and these weights: all fp32 or all bf16, contiguous, the same input width, at
-    most MAX_ROWS rows of x."""
-    dtype = x.dtype
-    return (
-        dtype in (torch.float32, torch.bfloat16)
-        and _plain(x)
-        and 0 < x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
-        and _usable(weights, dtype)
-        and all(w.dim() == 2 and w.shape[1] == x.shape[-1] for w in weights)
-    )
-
-
-def linear_many(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """[F.linear(x, W) for W in weights] (no bias) in one kernel call and one parallel loop over all their rows; the
-    caller checked `linear_many_apply` and `available`."""
-    I = x.shape[-1]
-    x2 = x.reshape(-1, I).contiguous()
-    M = x2.shape[0]
-    outs = [torch.empty(M, w.shape[0], dtype=x.dtype) for w in weights]
-    rows = (ctypes.c_int64 * len(weights))(*[w.shape[0] for w in weights])
-    rc = _lib.openk3_gemv_multi(int(x.dtype == torch.bfloat16), x2.data_ptr(), M, I, len(weights),
-                                _pointers(weights), rows, _pointers(outs))  # fmt: skip
-    if rc:
-        raise RuntimeError(f"openk3_gemv_multi refused rows={M} (at most {MAX_ROWS})")
-    return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
-
-
 KDA_MAX_HEAD_DIM = 512  # the C kernel's bound on the KDA head dim (K3: 128)
 
 
 def kda_decode_apply(x_ND: torch.Tensor, io, weights: list[torch.Tensor], fp32_params: list[torch.Tensor]) -> bool:
-    """Whether `kda_decode` takes these operands: x [N, D] with N <= MAX_ROWS, the matrices and the conv tails of `io`
-    (a model.cache.KDAInOut) in x's dtype, fp32 or bf16; its states and `fp32_params` (conv weights, A_log, dt_bias,
-    the output norm's weight) fp32; all contiguous plain CPU tensors without autograd."""
-    dtype = x_ND.dtype
-    return (
-        dtype in (torch.float32, torch.bfloat16)
-        and x_ND.dim() == 2
-        and 0 < x_ND.shape[0] <= MAX_ROWS
-        and io.state_in.shape[-1] <= KDA_MAX_HEAD_DIM
-        and _usable((x_ND, *weights, *io.tails_in, *io.tails_out), dtype)
-        and _usable((io.state_in, io.state_out, *fp32_params), torch.float32)
+    """Whether `kda_decode` takes these operands: `decode_apply` of x, the matrices and the conv tails of `io` (a
+    model.cache.KDAInOut), with its states and `fp32_params` (conv weights, A_log, dt_bias, the output norm's
+    weight) fp32, and a head dim within the kernel's bound."""
+    return io.state_in.shape[-1] <= KDA_MAX_HEAD_DIM and decode_apply(
+        x_ND, [*weights, *io.tails_in, *io.tails_out], [io.state_in, io.state_out, *fp32_params]
     )
 
 
@@ -312,7 +274,7 @@ def mix_norm(sources: list[torch.Tensor], mix_w: torch.Tensor, query: torch.Tens
 
 
 def decode_apply(x_ND: torch.Tensor, tensors: list[torch.Tensor], fp32_tensors: list[torch.Tensor]) -> bool:
-    """Whether a layer decode kernel (`moe_decode`, `mla_decode_in`/`_out`) takes x [N, D] (0 < N <= MAX_ROWS),
+    """Whether a layer decode kernel (`kda_decode`, `moe_decode`, `mla_decode_in`/`_out`) takes x [N, D] (0 < N <= MAX_ROWS),
     these matrices and norm weights (x's dtype, fp32 or bf16) and these fp32 tensors (the router bias, the absorbed
     MLA weights): contiguous plain CPU tensors without autograd."""
     dtype = x_ND.dtype

@@ -188,20 +188,40 @@ static inline void dot_pair_rows(int is_bf16, const void *W1, const void *W3, in
 #define BLOCKS(rows) (((rows) + 3) / 4)
 #define BLOCK_ROWS(o, rows) ((rows) - (o) < 4 ? (rows) - (o) : 4)
 
+/* Inside a parallel region (an orphaned omp for): y_j[m, o] = rnd(W_j[o] . x_m) for the nw matrices W_j [O_j, I] and
+ * the M inputs x [M, I] (fp32), their rows split over the threads in blocks of 4. y_j [M, O_j] is the activation
+ * dtype, or fp32 (rounded) with y_fp32. */
+static void gemv_blocks(int is_bf16, int64_t nw, const void *const *W, const int64_t *O, const float *x, int64_t M,
+                        int64_t I, void *const *y, int y_fp32) {
+    int64_t B = 0;
+    for (int64_t j = 0; j < nw; j++) B += BLOCKS(O[j]);
+#pragma omp for schedule(static)
+    for (int64_t bl = 0; bl < B; bl++) {
+        int64_t j = 0, b = bl;
+        while (b >= BLOCKS(O[j])) b -= BLOCKS(O[j++]);
+        const int64_t o = 4 * b, cnt = BLOCK_ROWS(o, O[j]);
+        float v[4];
+        for (int64_t m = 0; m < M; m++) {
+            dot_rows(is_bf16, W[j], o, cnt, x + m * I, I, v);
+            for (int64_t q = 0; q < cnt; q++) {
+                if (y_fp32)
+                    ((float *)y[j])[m * O[j] + o + q] = is_bf16 ? round_bf16(v[q]) : v[q];
+                else
+                    store_any(is_bf16, y[j], m * O[j] + o + q, v[q]);
+            }
+        }
+    }
+}
+
 int openk3_gemv_bf16(const uint16_t *x, const uint16_t *W, uint16_t *y, int64_t M, int64_t O, int64_t I) {
     if (M < 1 || M > MAX_ROWS) return 1;
     float *xf = malloc(sizeof(float) * (size_t)(M * I));
     if (!xf) return 2;
     for (int64_t i = 0; i < M * I; i++) xf[i] = bf16_to_f32(x[i]);
-#pragma omp parallel for schedule(static)
-    for (int64_t bl = 0; bl < BLOCKS(O); bl++) {
-        const int64_t o = 4 * bl, cnt = BLOCK_ROWS(o, O);
-        float v[4];
-        for (int64_t m = 0; m < M; m++) {
-            dot_rows(1, W, o, cnt, xf + m * I, I, v);
-            for (int64_t q = 0; q < cnt; q++) y[m * O + o + q] = f32_to_bf16(v[q]);
-        }
-    }
+    const void *w = W;
+    void *out = y;
+#pragma omp parallel
+    gemv_blocks(1, 1, &w, &O, xf, M, I, &out, 0);
     free(xf);
     return 0;
 }
@@ -264,47 +284,6 @@ int openk3_experts(int is_bf16, const void *z, int64_t I, int64_t F, int64_t O, 
         }
     }
     free(zf);
-    return 0;
-}
-
-/* Inside a parallel region (an orphaned omp for): y_j[m, o] = rnd(W_j[o] . x_m) for the nw matrices W_j [O_j, I] and
- * the M inputs x [M, I] (fp32), their rows split over the threads in blocks of 4. y_j [M, O_j] is the activation
- * dtype, or fp32 (rounded) with y_fp32. */
-static void gemv_blocks(int is_bf16, int64_t nw, const void *const *W, const int64_t *O, const float *x, int64_t M,
-                        int64_t I, void *const *y, int y_fp32) {
-    int64_t B = 0;
-    for (int64_t j = 0; j < nw; j++) B += BLOCKS(O[j]);
-#pragma omp for schedule(static)
-    for (int64_t bl = 0; bl < B; bl++) {
-        int64_t j = 0, b = bl;
-        while (b >= BLOCKS(O[j])) b -= BLOCKS(O[j++]);
-        const int64_t o = 4 * b, cnt = BLOCK_ROWS(o, O[j]);
-        float v[4];
-        for (int64_t m = 0; m < M; m++) {
-            dot_rows(is_bf16, W[j], o, cnt, x + m * I, I, v);
-            for (int64_t q = 0; q < cnt; q++) {
-                if (y_fp32)
-                    ((float *)y[j])[m * O[j] + o + q] = is_bf16 ? round_bf16(v[q]) : v[q];
-                else
-                    store_any(is_bf16, y[j], m * O[j] + o + q, v[q]);
-            }
-        }
-    }
-}
-
-/* ---- Several GEMVs on one input ------------------------------------------------------------------------------
- * y_j[m, o] = rnd(sum_i x[m, i] W_j[o, i]) for j < nw: the projections a layer takes from one input (KDA's q, k, v,
- * g, f_a and b) in one call and one parallel loop over all their rows. x [M, I]; W_j [O_j, I]; y_j [M, O_j]; all
- * bf16 (is_bf16) or all fp32. */
-int openk3_gemv_multi(int is_bf16, const void *x, int64_t M, int64_t I, int64_t nw, const void *const *W,
-                      const int64_t *O, void *const *y) {
-    if (M < 1 || M > MAX_ROWS || nw < 1) return 1;
-    float *xf = malloc(sizeof(float) * (size_t)(M * I));
-    if (!xf) return 2;
-    for (int64_t i = 0; i < M * I; i++) xf[i] = load_any(is_bf16, x, i);
-#pragma omp parallel
-    gemv_blocks(is_bf16, nw, W, O, xf, M, I, y, 0);
-    free(xf);
     return 0;
 }
 

@@ -33,12 +33,17 @@ def mix(bank: list[torch.Tensor], partial_TD: torch.Tensor, norm: RMSNorm, proj:
 def mix_norm(bank: list[torch.Tensor], partial_TD: torch.Tensor, norm: RMSNorm, proj: nn.Linear,
              out_norm: RMSNorm) -> torch.Tensor:  # fmt: skip
     """out_norm(mix(bank, partial)): every mix feeds an RMSNorm (the layer's two, the final one). Decode-sized rows on
-    CPU take one fused kernel (`ops.dispatch.fused_mix_norm`) with the same math and roundings; this composition is
+    CPU take one fused kernel (`ops.cpu_kernels.MixNorm`) with the same math and roundings; this composition is
     its reference."""
     sources = [*bank, partial_TD]
-    fused = dispatch.fused_mix_norm(sources, [norm.weight, proj.weight, out_norm.weight])
-    if fused is not None:
-        return fused(sources, norm.weight, proj.weight, norm.eps, out_norm.weight, out_norm.eps)
+
+    def weights():
+        tensors = [norm.weight, proj.weight, out_norm.weight]
+        return tensors, [], lambda cls: cls(norm.weight, proj.weight, norm.eps, out_norm.weight, out_norm.eps)
+
+    kernel = dispatch.prepared_kernel("mix_norm", norm, partial_TD.device, weights, (proj, out_norm))
+    if kernel is not None and kernel.applies(sources):
+        return kernel(sources)
     return out_norm(mix(bank, partial_TD, norm, proj))
 
 

@@ -89,7 +89,7 @@ def cache_specs(text_config, dtype: torch.dtype, tp: int = 1) -> list[CacheSpec]
 
 
 class KDAInOut(NamedTuple):
-    """Where a fused KDA decode step (`ops.cpu_kernels.kda_decode`) reads and writes one KDA entry: per projection
+    """Where a fused KDA decode step (`ops.cpu_kernels.KDADecode`) reads and writes one KDA entry: per projection
     q, k, v a [*, W-1, P] tensor of conv tails, a [*, H, K, V] fp32 state tensor, and the row of each sequence in
     them, for the input and for the output; the outputs may be the inputs (an in-place update). `commit()` finishes
     the update (stores freshly allocated outputs; nothing to do in place)."""

@@ -76,22 +76,32 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(o_THV.reshape(T, H * K))
 
     def _decode_fused(self, x_TD: torch.Tensor, cache: KDAState) -> torch.Tensor | None:
-        """A DECODE step as one kernel call (`ops.dispatch.fused_kda_decode`: the input projections, conv, L2 norms,
+        """A DECODE step as one kernel call (`ops.cpu_kernels.KDADecode`: the input projections, conv, L2 norms,
         gate, delta step, gated norm and o_proj), updating the cache entry where it lives (`decode_in_out`); None
         where the kernel does not apply (the caller runs the torch path, its reference)."""
+        kernel = dispatch.prepared_kernel("kda_decode", self, x_TD.device, self._decode_weights)
+        if kernel is None:
+            return None
+        io = cache.decode_in_out()
+        if not kernel.applies(x_TD, io):
+            return None
+        out = kernel(x_TD, io)
+        io.commit()
+        return out
+
+    def _decode_weights(self):
+        """The fused kernel's weights (matrices; fp32 tensors) and how to make it over them (`prepared_kernel`)."""
         inputs = (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.f_a_proj, self.b_proj)
         projections = [p.weight for p in inputs]
         w_fb, w_o = self.f_b_proj.weight, self.o_proj.weight
         convs = [self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]
         A_log, dt_bias, norm_w = self.A_log, self.dt_bias, self.o_norm.weight
-        io = cache.decode_in_out()
-        fused = dispatch.fused_kda_decode(x_TD, io, [*projections, w_fb, w_o], [*convs, A_log, dt_bias, norm_w])
-        if fused is None:
-            return None
-        out = fused(x_TD, io, projections, w_fb, w_o, convs, A_log, dt_bias, self.lower_bound, norm_w, self.eps,
-                    self.head_dim**-0.5)  # fmt: skip
-        io.commit()
-        return out
+
+        def make(cls):
+            return cls(projections, w_fb, w_o, convs, A_log, dt_bias, self.lower_bound, norm_w, self.eps,
+                       self.head_dim**-0.5)  # fmt: skip
+
+        return [*projections, w_fb, w_o], [*convs, A_log, dt_bias, norm_w], make
 
     def forward(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: KDAState | None = None) -> torch.Tensor:
         mode = batch.mode

@@ -149,21 +149,27 @@ class GatedMLA(nn.Module):
         return self.output(torch.cat(outs) if len(outs) > 1 else outs[0], x_TD)
 
     def _decode_fused(self, x_TD: torch.Tensor, batch: ForwardBatch, cache: MLACache) -> torch.Tensor | None:
-        """A DECODE step in two kernel calls around the cache append (`ops.dispatch.fused_mla_decode`: projections
-        and norms; the absorbed attention over the cache block and the gated o_proj); None where they do not apply
-        (the caller runs the torch path below, their reference). Checked before anything is appended."""
+        """A DECODE step in two kernel calls around the cache append (`ops.cpu_kernels.MLADecode`: projections and
+        norms; the absorbed attention over the cache block and the gated o_proj); None where they do not apply (the
+        caller runs the torch path below, their reference). Checked before anything is appended."""
+        kernel = dispatch.prepared_kernel("mla_decode", self, x_TD.device, self._decode_weights)
+        if kernel is None:
+            return None
         w_uk, w_uv = self.absorbed()
+        if not kernel.applies(x_TD, w_uk, w_uv):
+            return None
+        q_TQ, latent_TR, g_TG = kernel.inputs(x_TD)
+        cache.append(latent_TR, batch.seq_lens)
+        latent_NSR, len_N = cache.block()
+        return kernel.output(q_TQ, latent_NSR, len_N.tolist(), w_uk, w_uv, self.scale, g_TG)
+
+    def _decode_weights(self):
+        """The fused kernels' weights (no fp32 ones: the absorbed W_uk, W_uv are passed per step, as they follow
+        kv_b_proj's values) and how to make them (`ops.dispatch.prepared_kernel`)."""
         tensors = [self.q_a_proj.weight, self.q_a_layernorm.weight, self.q_b_proj.weight,
                    self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight, self.g_proj.weight,
                    self.o_proj.weight]  # fmt: skip
-        fns = dispatch.fused_mla_decode(x_TD, tensors, [w_uk, w_uv])
-        if fns is None:
-            return None
-        decode_in, decode_out = fns
-        q_TQ, latent_TR, g_TG = decode_in(x_TD, *tensors[:6], MLA_LORA_NORM_EPS)
-        cache.append(latent_TR, batch.seq_lens)
-        latent_NSR, len_N = cache.block()
-        return decode_out(q_TQ, latent_NSR, len_N.tolist(), w_uk, w_uv, self.scale, g_TG, tensors[6])
+        return tensors, [], lambda cls: cls(*tensors, MLA_LORA_NORM_EPS)
 
     def queries(self, x_TD: torch.Tensor) -> torch.Tensor:
         """[T, H, nope + rope]."""

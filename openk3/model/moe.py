@@ -180,27 +180,35 @@ class StableLatentMoE(nn.Module):
         return out + self.shared_experts(x_TD) if self.shared_experts is not None else out
 
     def _decode_fused(self, x_TD: torch.Tensor, routes_Tk: torch.Tensor | None) -> torch.Tensor | None:
-        """Decode-sized batches: each token's layer output in one kernel call (`ops.dispatch.fused_moe_decode`: the
+        """Decode-sized batches: each token's layer output in one kernel call (`ops.cpu_kernels.MoEDecode`: the
         router, the down projection, its experts read in place, the weighted sum, the latent norm, the up
         projection and the shared experts); the observer sees the kernel's scores and experts. None where the kernel
         does not apply (the caller runs the torch path below, its reference)."""
+        kernel = dispatch.prepared_kernel("moe_decode", self, x_TD.device, self._decode_weights)
+        if kernel is None or not kernel.applies(x_TD):
+            return None
+        out, scores_TE, idx_Tk = kernel(x_TD, routes_Tk)
+        if self.observer is not None:
+            self.observer(self, scores_TE, idx_Tk)
+        return out
+
+    def _decode_weights(self):
+        """The fused kernel's weights (matrices; the fp32 router bias) and how to make it over them
+        (`ops.dispatch.prepared_kernel`); no matrices (the kernel does not apply) with shared experts of another
+        SiTU than the routed ones."""
         ex = self.experts
         shared = None
         if self.shared_experts is not None:
             mlp = self.shared_experts
             shared = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
             if (mlp.beta, mlp.linear_beta) != (ex.beta, ex.linear_beta):
-                return None
+                return [], [], None
         w_gate, bias = self.gate.weight, self.gate.e_score_correction_bias
         w_down, w_up = self.routed_expert_down_proj.weight, self.routed_expert_up_proj.weight
         norm = self.routed_expert_norm
-        matrices = [w_gate, w_down, ex.w1, ex.w3, ex.w2, norm.weight, w_up, *(shared or ())]
-        fused = dispatch.fused_moe_decode(x_TD, matrices, bias)
-        if fused is None:
-            return None
-        out, scores_TE, idx_Tk = fused(x_TD, w_gate, bias, self.top_k, self.renormalize, self.scaling, routes_Tk,
-                                       w_down, ex.w1, ex.w3, ex.w2, norm.weight, norm.eps, w_up, shared, ex.beta,
-                                       ex.linear_beta)  # fmt: skip
-        if self.observer is not None:
-            self.observer(self, scores_TE, idx_Tk)
-        return out
+
+        def make(cls):
+            return cls(w_gate, bias, self.top_k, self.renormalize, self.scaling, w_down, ex.w1, ex.w3, ex.w2,
+                       norm.weight, norm.eps, w_up, shared, ex.beta, ex.linear_beta)  # fmt: skip
+
+        return [w_gate, w_down, ex.w1, ex.w3, ex.w2, norm.weight, w_up, *(shared or ())], [bias], make

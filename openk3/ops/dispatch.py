@@ -16,8 +16,8 @@ on CPU, "ref" elsewhere): one decode token's routed experts, or a dense SiTU MLP
 torch path in model/) are a whole KDA layer's decode step (its input to o_proj's output), and a Block AttnRes mix with
 the RMSNorm after it; `moe_decode` ("fused" on CPU) a StableLatentMoE layer's decode step (router included);
 `mla_decode` ("fused" on CPU) a gated MLA layer's decode step in two kernels (projections and norms; attention and
-the gated o_proj, around the cache append); `fused_kda_decode` / `fused_mix_norm` / `fused_moe_decode` /
-`fused_mla_decode` return the kernel(s) where they apply, else None.
+the gated o_proj, around the cache append). For these four, `prepared_kernel` returns the kernel prepared for a
+module's weights (once per module, `ops.cpu_kernels.packs`) where it is selected, else None.
 """
 
 import contextlib
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from openk3.ops import cpu_kernels
-from openk3.ops.kda import gpu
+from openk3.ops.cpu_kernels import packs
+from openk3.ops.kda import gpu, step
 from openk3.ops.kda.chunk import kda_chunked as kda_chunked_cpu
 from openk3.ops.kda.chunk_bf16 import kda_chunked_bf16
-from openk3.ops.kda import step
 from openk3.ops.kda.step import KDASteps
 from openk3.ops.kda.step import kda_step as kda_step_cpu
 
@@ -55,10 +55,11 @@ IMPLS: dict[str, dict[str, Callable]] = {
     "linear": {"ref": F.linear, "gemv": _linear_gemv},
     # A token's routed experts (and the dense SiTU MLPs) in one call; "ref" = the torch path in model/.
     "experts": {"ref": None, "fused": cpu_kernels.experts},
-    "kda_decode": {"ref": None, "fused": cpu_kernels.kda_decode},
-    "mix_norm": {"ref": None, "fused": cpu_kernels.mix_norm},
-    "moe_decode": {"ref": None, "fused": cpu_kernels.moe_decode},
-    "mla_decode": {"ref": None, "fused": (cpu_kernels.mla_decode_in, cpu_kernels.mla_decode_out)},
+    # Whole layer parts in one call (prepared per module: `prepared_kernel`); "ref" = the torch path in model/.
+    "kda_decode": {"ref": None, "fused": cpu_kernels.KDADecode},
+    "mix_norm": {"ref": None, "fused": cpu_kernels.MixNorm},
+    "moe_decode": {"ref": None, "fused": cpu_kernels.MoEDecode},
+    "mla_decode": {"ref": None, "fused": cpu_kernels.MLADecode},
 }
 CPU_DEFAULTS = {"linear": "gemv", "experts": "fused", "kda_decode": "fused", "mix_norm": "fused", "moe_decode": "fused",
                 "mla_decode": "fused"}  # fmt: skip
@@ -126,40 +127,22 @@ def fused_experts(z_TL: torch.Tensor, weights: list[torch.Tensor]):
     return fn
 
 
-def fused_kda_decode(x_ND: torch.Tensor, io, weights: list[torch.Tensor], fp32_params: list[torch.Tensor]):
-    """`cpu_kernels.kda_decode` when selected, built and applicable to these operands (`kda_decode_apply`; `io` is a
-    model.cache.KDAInOut), else None (model/kda.py runs its torch path)."""
-    fn = IMPLS["kda_decode"][select("kda_decode", x_ND.device)]
-    if fn is None or not cpu_kernels.kda_decode_apply(x_ND, io, weights, fp32_params):
+def prepared_kernel(op: str, owner: object, device: torch.device,
+                    weights: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor], Callable[[type], object]]],
+                    parts: tuple = ()):  # fmt: skip
+    """The layer kernel `op` prepared for `owner`'s weights where it is selected on `device`, built, and takes them;
+    else None (the caller runs its torch path). `weights()` -> (the matrices and norm weights, one dtype; the fp32
+    tensors; `make(cls)` -> the kernel over them). The kernel is cached per owner (and the other modules `parts` it
+    reads) while those stay the same tensors (`cpu_kernels.packs`); the caller still checks each step's inputs with its `applies(...)`."""
+    cls = IMPLS[op][select(op, device)]
+    if cls is None or not cpu_kernels.available():
         return None
-    return fn if cpu_kernels.available() else None
 
+    def build():
+        tensors, fp32, make = weights()
+        return [*tensors, *fp32], make(cls) if cpu_kernels.weights_apply(tensors, fp32) else None
 
-def fused_mix_norm(sources: list[torch.Tensor], weights: list[torch.Tensor]):
-    """`cpu_kernels.mix_norm` when selected, built and applicable (`mix_norm_apply`), else None (model/attnres.py
-    runs `norm(mix(...))`)."""
-    fn = IMPLS["mix_norm"][select("mix_norm", sources[0].device)]
-    if fn is None or not cpu_kernels.mix_norm_apply(sources, weights):
-        return None
-    return fn if cpu_kernels.available() else None
-
-
-def fused_moe_decode(x_TD: torch.Tensor, tensors: list[torch.Tensor], bias_E: torch.Tensor):
-    """`cpu_kernels.moe_decode` when selected, built and applicable to these tokens, matrices and router bias
-    (`decode_apply`), else None (model/moe.py runs its torch path)."""
-    fn = IMPLS["moe_decode"][select("moe_decode", x_TD.device)]
-    if fn is None or not cpu_kernels.decode_apply(x_TD, tensors, [bias_E]):
-        return None
-    return fn if cpu_kernels.available() else None
-
-
-def fused_mla_decode(x_ND: torch.Tensor, tensors: list[torch.Tensor], fp32_tensors: list[torch.Tensor]):
-    """(`cpu_kernels.mla_decode_in`, `cpu_kernels.mla_decode_out`) when selected, built and applicable
-    (`decode_apply`), else None (model/mla.py runs its torch path)."""
-    fns = IMPLS["mla_decode"][select("mla_decode", x_ND.device)]
-    if fns is None or not cpu_kernels.decode_apply(x_ND, tensors, fp32_tensors):
-        return None
-    return fns if cpu_kernels.available() else None
+    return packs.prepared(owner, build, parts)
 
 
 def kda_verify(q_NGHK: torch.Tensor, *args) -> tuple[torch.Tensor, KDASteps]:

@@ -1,7 +1,8 @@
-"""The fused decode kernels of whole layer parts (ops/cpu_kernels: `kda_decode`, `mix_norm`, `moe_decode`,
-`mla_decode_in/out`) against their torch references (the torch decode paths of model/kda.py, model/moe.py and
+"""The fused decode kernels of whole layer parts (ops/cpu_kernels: `KDADecode`, `MixNorm`, `MoEDecode`,
+`MLADecode`) against their torch references (the torch decode paths of model/kda.py, model/moe.py and
 model/mla.py; norm(attnres.mix(...))), on random weights, ragged sizes, several sequences, extreme values, fp32 and
-bf16; the in-place update of serving's pools equals the fresh-output one; the dispatch falls back where a kernel does not apply.
+bf16; the in-place update of serving's pools equals the fresh-output one; the dispatch falls back where a kernel does not apply;
+a kernel prepared for a module's weights is rebuilt when they are replaced, moved or cast (cpu_kernels.packs).
 The engine-level equivalence (prefix hits, speculative verify + fold, mixed chunks, preemption) is in
 tests/serve/test_decode_kernels_engine.py."""
 
@@ -19,6 +20,7 @@ from openk3.model.layers import RMSNorm
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import StableLatentMoE
 from openk3.ops import cpu_kernels, dispatch
+from openk3.ops.cpu_kernels import packs
 from openk3.utils import rel_rms
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C compiler: {cpu_kernels._failed}")
@@ -27,6 +29,29 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 torch_path = dispatch.reference_path
+
+
+class _Calls:
+    """The kernel library with a count of the calls of each C function (proof that a path ran the kernel)."""
+
+    def __init__(self, lib):
+        self.lib, self.count = lib, {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.lib, name)
+
+        def call(*args):
+            self.count[name] = self.count.get(name, 0) + 1
+            return fn(*args)
+
+        return call
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    spy = _Calls(cpu_kernels.library())
+    monkeypatch.setattr(cpu_kernels, "_lib", spy)
+    return spy.count
 
 
 def _randomize(module: torch.nn.Module, seed: int, scale: float = 0.3) -> None:
@@ -162,7 +187,7 @@ def test_kda_decode_falls_back_where_it_does_not_apply():
 @pytest.mark.parametrize("sources", [1, 2, 5])
 @pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("scale", [1.0, 1e3])  # 1e3: a softmax saturated on one source
-def test_mix_norm_equals_norm_of_mix(dtype, sources, T, scale):
+def test_mix_norm_equals_norm_of_mix(dtype, sources, T, scale, calls):
     D = 96
     g = torch.Generator().manual_seed(sources * 10 + T)
     bank = [(torch.randn(T, D, generator=g) * scale).to(dtype) for _ in range(sources - 1)]
@@ -177,26 +202,29 @@ def test_mix_norm_equals_norm_of_mix(dtype, sources, T, scale):
     with torch.no_grad():
         out = mix_norm(bank, partial, res_norm, proj, out_norm)
         ref = out_norm(mix(bank, partial, res_norm, proj))
-        assert dispatch.fused_mix_norm([*bank, partial], [res_norm.weight, proj.weight, out_norm.weight]) is not None
+        assert calls == {"openk3_mix_norm": 1}
     _close(out, ref, dtype)
     with torch.no_grad():  # without the norm, the mix itself; an empty bank gives the partial sum exactly
-        mixed = cpu_kernels.mix_norm([*bank, partial], res_norm.weight, proj.weight, res_norm.eps, None, 0.0)
+        mixed = cpu_kernels.MixNorm(res_norm.weight, proj.weight, res_norm.eps, None, 0.0)([*bank, partial])
         _close(mixed, mix(bank, partial, res_norm, proj), dtype)
     if sources == 1:
         assert torch.equal(mixed, partial)
 
 
-def test_mix_norm_falls_back_for_autograd_and_many_rows():
+def test_mix_norm_falls_back_for_autograd_and_many_rows(calls):
     D = 32
     norm, proj = RMSNorm(D, 1e-6), torch.nn.Linear(D, 1, bias=False)
     with torch.no_grad():
         norm.weight.fill_(1.0)
     p = torch.randn(9, D)
-    assert dispatch.fused_mix_norm([p], [norm.weight, proj.weight, norm.weight]) is None  # 9 rows, autograd on
+    bank = [torch.randn(2, D)]
+    mix_norm([p[:2]], p[:2], norm, proj, norm)  # autograd on
     with torch.no_grad():
-        assert dispatch.fused_mix_norm([p], [norm.weight, proj.weight, norm.weight]) is None  # 9 > MAX_ROWS
-        assert dispatch.fused_mix_norm([p[:2]], [norm.weight, proj.weight, norm.weight]) is not None
-        assert dispatch.fused_mix_norm([p[:2], p[:2].bfloat16()], [norm.weight, proj.weight, norm.weight]) is None
+        mix_norm([p], p, norm, proj, norm)  # 9 > MAX_ROWS
+        mix_norm([p[:2].bfloat16()], p[:2], norm, proj, norm)  # sources of two dtypes
+        assert calls == {}
+        mix_norm(bank, p[:2], norm, proj, norm)
+        assert calls == {"openk3_mix_norm": 1}
 
 
 # ---- MoE decode ------------------------------------------------------------------------------------------------
@@ -309,7 +337,7 @@ def _mla_cache(layer, lengths, dtype, seed, scale=1.0):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lengths", [[4], [5, 1, 9]])  # ragged: the block pads the shorter sequences
 @pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: a softmax saturated on one position
-def test_mla_decode_equals_the_torch_path(dtype, lengths, scale):
+def test_mla_decode_equals_the_torch_path(dtype, lengths, scale, calls):
     layer = _mla(dtype, seed=len(lengths))
     N = len(lengths)
     g = torch.Generator().manual_seed(5)
@@ -317,11 +345,11 @@ def test_mla_decode_equals_the_torch_path(dtype, lengths, scale):
     ours, ref = _mla_cache(layer, lengths, dtype, 6, scale), _mla_cache(layer, lengths, dtype, 6, scale)
     batch = ForwardBatch.from_lengths(torch.zeros(N, dtype=torch.long), [1] * N, cache=_Cache(N))
     with torch.no_grad():
-        assert dispatch.fused_mla_decode(x, [layer.q_a_proj.weight], list(layer.absorbed())) is not None
         out = layer(x, batch, ours)
         with torch_path():
             expected = layer(x, batch, ref)
     _close(out, expected, dtype)
+    assert calls == {"openk3_mla_decode_in": 1, "openk3_mla_decode_out": 1}
     for a, b, n in zip(ours.latents, ref.latents, lengths):  # the new latent appended, the old ones untouched
         assert a.shape == b.shape == (n + 1, layer.kv_rank + layer.rope)
         assert torch.equal(a[:n], b[:n])
@@ -339,3 +367,86 @@ def test_mla_decode_falls_back_before_touching_the_cache():
         with dispatch.use_impl("mla_decode", "ref"):
             assert layer._decode_fused(x, batch, cache) is None
         assert layer._decode_fused(x, batch, cache) is not None and cache.latents[0].shape[0] == 4
+
+
+# ---- kernels prepared once per module (cpu_kernels.packs) ----------------------------------------------------------
+
+
+def _prepared(module):
+    pack = packs._packs.get(module)
+    return None if pack is None else pack.value
+
+
+def test_a_prepared_kernel_is_reused_and_reads_weights_changed_in_place():
+    moe = _moe(torch.float32, True)
+    x = torch.randn(1, moe.gate.weight.shape[1])
+    with torch.no_grad():
+        moe(x)
+        kernel = _prepared(moe)
+        assert kernel is not None
+        moe.routed_expert_up_proj.weight.mul_(-2.0)  # an optimizer step or a weight sync: values change in place
+        out = moe(x)
+        assert _prepared(moe) is kernel
+        with torch_path():
+            ref = moe(x)
+    _close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("change", ["replace", "data", "cast", "submodule"])
+def test_a_prepared_kernel_is_rebuilt_when_its_weights_move(change):
+    moe = _moe(torch.float32, True)
+    x = torch.randn(1, moe.gate.weight.shape[1])
+    with torch.no_grad():
+        moe(x)
+        kernel = _prepared(moe)
+        up = moe.routed_expert_up_proj
+        if change == "replace":  # load_state_dict(assign=True), expert parallelism: a new Parameter object
+            up.weight = torch.nn.Parameter(torch.randn_like(up.weight), requires_grad=False)
+        elif change == "data":  # the same Parameter on new storage
+            up.weight.data = torch.randn_like(up.weight)
+        elif change == "cast":  # .to(): a dtype the kernel must now see as bf16
+            moe.to(torch.bfloat16)
+            moe.gate.e_score_correction_bias.data = moe.gate.e_score_correction_bias.data.float()
+            x = x.bfloat16()
+        else:  # a swapped submodule
+            moe.routed_expert_norm = RMSNorm(moe.routed_expert_norm.weight.shape[0], 1e-6).requires_grad_(False)
+            moe.routed_expert_norm.weight.fill_(0.5)
+        out = moe(x)
+        assert _prepared(moe) is not kernel and _prepared(moe) is not None
+        with torch_path():
+            ref = moe(x)
+    _close(out, ref, x.dtype)
+
+
+def test_mix_norm_prepares_per_site_and_modules_still_copy():
+    import copy
+    import pickle
+
+    D = 16
+    norm = RMSNorm(D, 1e-6).requires_grad_(False)
+    proj_a, proj_b = (torch.nn.Linear(D, 1, bias=False).requires_grad_(False) for _ in range(2))
+    with torch.no_grad():
+        proj_b.weight.mul_(-3.0)
+        bank, partial = [torch.randn(2, D)], torch.randn(2, D)
+        for proj in (proj_a, proj_b, proj_a):  # the same key norm with another query: not the other's kernel
+            _close(mix_norm(bank, partial, norm, proj, norm), norm(mix(bank, partial, norm, proj)), torch.float32)
+    assert _prepared(norm) is not None
+    pickle.loads(pickle.dumps(norm))  # the pack lives beside the module, not on it
+    copied = copy.deepcopy(norm)
+    with torch.no_grad():
+        _close(mix_norm(bank, partial, copied, proj_a, copied), norm(mix(bank, partial, norm, proj_a)), torch.float32)
+
+
+def test_a_prepared_kernel_is_rebuilt_when_a_parameter_is_swapped_without_the_hooks():
+    moe = _moe(torch.float32, True)
+    x = torch.randn(1, moe.gate.weight.shape[1])
+    with torch.no_grad():
+        moe(x)
+        kernel = _prepared(moe)
+        up = moe.routed_expert_up_proj
+        up._parameters["weight"] = torch.nn.Parameter(torch.randn_like(up.weight), requires_grad=False)  # as FSDP2
+        out = moe(x)
+        assert _prepared(moe) is not kernel
+        with torch_path():
+            ref = moe(x)
+    _close(out, ref, torch.float32)

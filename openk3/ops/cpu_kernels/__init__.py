@@ -2,12 +2,14 @@
 
     y = linear_gemv(x, W)                  # x [..., I] bf16, at most MAX_ROWS rows; W [O, I] bf16 -> [..., O] bf16
     y = experts(z, w1s, w3s, w2s, w, ...)  # one token's k experts (fp32 or bf16), fused: [1, Lt] -> [1, Lt]
-    y = kda_decode(x, io, ...)             # a whole KDA layer's decode step (projections to o_proj), state in io
-    y, s, i = moe_decode(x, ...)           # a StableLatentMoE layer's decode step (router, experts, shared experts)
-    q, lat, g = mla_decode_in(x, ...)      # a gated MLA layer's decode step: its projections and norms ...
-    y = mla_decode_out(q, block, ...)      # ... then, after the cache append, attention and the gated o_proj
-    y = mix_norm(sources, ...)             # a Block AttnRes mix and the RMSNorm after it, for decode rows
+    KDADecode(weights...)(x, io)           # a whole KDA layer's decode step (projections to o_proj), state in io
+    MoEDecode(weights...)(x, routes)       # a StableLatentMoE layer's decode step (router, experts, shared experts)
+    MLADecode(weights...).inputs(x)        # a gated MLA layer's decode step: its projections and norms ...
+    MLADecode(weights...).output(q, ...)   # ... then, after the cache append, attention and the gated o_proj
+    MixNorm(weights...)(sources)           # a Block AttnRes mix and the RMSNorm after it, for decode rows
 
+The layer kernels are classes: their weights are checked and turned into ctypes arguments once (`packs` caches an
+instance per module while its weights stay the same tensors), and each call checks only its inputs (`applies`).
 The plain references are `torch.nn.functional.linear`, the torch expert path of model/moe.py (and DenseMLP), the
 torch paths of model/kda.py and model/moe.py and `norm(attnres.mix(...))`; `ops.dispatch` picks between them ("ref" / "gemv",
 "ref" / "fused") and falls back to the reference for anything a kernel does not take (other dtypes, more rows, autograd, non-CPU tensors, or no compiler). Why they exist and how
@@ -203,169 +205,206 @@ def _pointers(tensors) -> ctypes.Array:
     return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
 
 
-KDA_MAX_HEAD_DIM = 512  # the C kernel's bound on the KDA head dim (K3: 128)
-
-
-def kda_decode_apply(x_ND: torch.Tensor, io, weights: list[torch.Tensor], fp32_params: list[torch.Tensor]) -> bool:
-    """Whether `kda_decode` takes these operands: `decode_apply` of x, the matrices and the conv tails of `io` (a
-    model.cache.KDAInOut), with its states and `fp32_params` (conv weights, A_log, dt_bias, the output norm's
-    weight) fp32, and a head dim within the kernel's bound."""
-    return io.state_in.shape[-1] <= KDA_MAX_HEAD_DIM and decode_apply(
-        x_ND, [*weights, *io.tails_in, *io.tails_out], [io.state_in, io.state_out, *fp32_params]
+def _rows(x: torch.Tensor, dtype: torch.dtype, D: int) -> bool:
+    """x [N, D] of `dtype`, 0 < N <= MAX_ROWS, a contiguous plain CPU tensor that autograd does not need: the
+    per-call check of a prepared layer kernel's input (its weights were checked when it was prepared)."""
+    return (
+        x.dtype == dtype
+        and type(x) in _PLAIN_TYPES
+        and x.is_cpu
+        and x.dim() == 2
+        and 0 < x.shape[0] <= MAX_ROWS
+        and x.shape[1] == D
+        and x.is_contiguous()
+        and not (x.requires_grad and torch.is_grad_enabled())
     )
 
 
-def kda_decode(x_ND: torch.Tensor, io, projections: list[torch.Tensor], w_fb: torch.Tensor, w_o: torch.Tensor,
-               conv_w: list[torch.Tensor], A_log_H: torch.Tensor, dt_bias_P: torch.Tensor, lower_bound: float,
-               norm_w_K: torch.Tensor, eps: float, scale: float) -> torch.Tensor:  # fmt: skip
-    """A whole KDA layer's decode step (the C file's `openk3_kda_decode`): x [N, D] -> o_proj's output [N, D].
-    `projections` = W_q, W_k, W_v, W_g [P, D], W_fa [K, D], W_b [H, D]; w_fb [P, K]; w_o [D, P]; `io`
-    (model.cache.KDAInOut) where each sequence's conv tails and state are read and written (then `io.commit()` is
-    the caller's); conv_w [P, 1, W] each, A_log [H], dt_bias [P], norm_w_K: fp32. The caller checked
-    `kda_decode_apply` and `available`."""
-    N, D = x_ND.shape
-    _, H, K, _ = io.state_in.shape
-    W = conv_w[0].shape[-1]
-    out = torch.empty_like(x_ND)
-    rows_in, rows_out = (ctypes.c_int64 * N)(*io.rows_in), (ctypes.c_int64 * N)(*io.rows_out)
-    rc = _lib.openk3_kda_decode(int(x_ND.dtype == torch.bfloat16), N, D, H, K, W, x_ND.data_ptr(),
-                                _pointers(projections), w_fb.data_ptr(), w_o.data_ptr(), _pointers(io.tails_in),
-                                io.state_in.data_ptr(), rows_in, _pointers(io.tails_out), io.state_out.data_ptr(),
-                                rows_out, _pointers(conv_w), A_log_H.data_ptr(), dt_bias_P.data_ptr(), lower_bound,
-                                norm_w_K.data_ptr(), eps, scale, out.data_ptr())  # fmt: skip
-    if rc:
-        raise RuntimeError(f"openk3_kda_decode refused N={N} (at most {MAX_ROWS}) H={H} K={K} W={W}")
-    return out
+def weights_apply(tensors: list[torch.Tensor], fp32_tensors: list[torch.Tensor] = ()) -> bool:
+    """Whether a layer kernel takes these matrices and norm weights (one dtype, fp32 or bf16) and these fp32 tensors
+    (the router bias, conv weights, ...): contiguous plain CPU tensors without autograd."""
+    if not tensors:
+        return False
+    dtype = tensors[0].dtype
+    return dtype in (torch.float32, torch.bfloat16) and _usable(tensors, dtype) and _usable(fp32_tensors, torch.float32)
+
+
+# ---- prepared layer kernels ----------------------------------------------------------------------------------------
+# Each class takes a layer's weights once (the caller checked `weights_apply`; `ops.cpu_kernels.packs` caches the
+# instance per module) and is then called per decode step with that step's inputs, after `applies(...)`.
+
+KDA_MAX_HEAD_DIM = 512  # the C kernel's bound on the KDA head dim (K3: 128)
+
+
+class KDADecode:
+    """A whole KDA layer's decode step (the C file's `openk3_kda_decode`), x [N, D] -> o_proj's output [N, D].
+    `projections` = W_q, W_k, W_v, W_g [P, D], W_fa [K, D], W_b [H, D]; w_fb [P, K]; w_o [D, P]; conv_w [P, 1, W]
+    each, A_log [H], dt_bias [P], norm_w [K]: fp32. Per call, `io` (model.cache.KDAInOut) says where each
+    sequence's conv tails and state are read and written (then `io.commit()` is the caller's)."""
+
+    def __init__(self, projections: list[torch.Tensor], w_fb: torch.Tensor, w_o: torch.Tensor,
+                 conv_w: list[torch.Tensor], A_log_H: torch.Tensor, dt_bias_P: torch.Tensor, lower_bound: float,
+                 norm_w_K: torch.Tensor, eps: float, scale: float) -> None:  # fmt: skip
+        self.dtype = w_o.dtype
+        self.D, self.P, self.W = w_o.shape[0], w_o.shape[1], conv_w[0].shape[-1]
+        self._weights = (_pointers(projections), w_fb.data_ptr(), w_o.data_ptr())
+        self._params = (_pointers(conv_w), A_log_H.data_ptr(), dt_bias_P.data_ptr(), lower_bound, norm_w_K.data_ptr(),
+                        eps, scale)  # fmt: skip
+
+    def applies(self, x_ND: torch.Tensor, io) -> bool:
+        """x [N, D] of the weights' dtype; the conv tails of `io` of that dtype, its states fp32 [*, H, K, K] with
+        H K = P and K within the kernel's bound."""
+        _, H, K, _ = io.state_in.shape
+        return (
+            H * K == self.P
+            and K <= KDA_MAX_HEAD_DIM
+            and _rows(x_ND, self.dtype, self.D)
+            and _usable((*io.tails_in, *io.tails_out), self.dtype)
+            and _usable((io.state_in, io.state_out), torch.float32)
+        )
+
+    def __call__(self, x_ND: torch.Tensor, io) -> torch.Tensor:
+        N = x_ND.shape[0]
+        _, H, K, _ = io.state_in.shape
+        out = torch.empty_like(x_ND)
+        rows_in, rows_out = (ctypes.c_int64 * N)(*io.rows_in), (ctypes.c_int64 * N)(*io.rows_out)
+        rc = _lib.openk3_kda_decode(int(self.dtype == torch.bfloat16), N, self.D, H, K, self.W, x_ND.data_ptr(),
+                                    *self._weights, _pointers(io.tails_in), io.state_in.data_ptr(), rows_in,
+                                    _pointers(io.tails_out), io.state_out.data_ptr(), rows_out, *self._params,
+                                    out.data_ptr())  # fmt: skip
+        if rc:
+            raise RuntimeError(f"openk3_kda_decode refused N={N} (at most {MAX_ROWS}) H={H} K={K} W={self.W}")
+        return out
 
 
 MIX_MAX_SOURCES = 64  # the C kernel's bound on AttnRes sources (the bank plus the partial sum)
 
 
-def mix_norm_apply(sources: list[torch.Tensor], weights: list[torch.Tensor]) -> bool:
-    """Whether `mix_norm` takes these [T, D] sources (at most MAX_ROWS rows) and [D]-sized weights: one dtype, fp32
-    or bf16, contiguous plain CPU tensors without autograd."""
-    first = sources[0]
-    dtype = first.dtype
-    return (
-        dtype in (torch.float32, torch.bfloat16)
-        and first.dim() == 2
-        and 0 < first.shape[0] <= MAX_ROWS
-        and len(sources) <= MIX_MAX_SOURCES
-        and all(s.shape == first.shape for s in sources)
-        and _usable(sources, dtype)
-        and _usable(weights, dtype)
-        and all(w.numel() == first.shape[1] for w in weights)
-    )
-
-
-def mix_norm(sources: list[torch.Tensor], mix_w: torch.Tensor, query: torch.Tensor, mix_eps: float,
-             norm_w: torch.Tensor | None, norm_eps: float) -> torch.Tensor:  # fmt: skip
+class MixNorm:
     """RMSNorm(attn_res_mix(sources[:-1], sources[-1], mix_w, query, mix_eps); norm_w, norm_eps) for [T, D] sources
-    (the bank in order, the partial sum last) in one call; `norm_w=None` returns the mix itself. The caller checked
-    `mix_norm_apply` and `available`."""
-    T, D = sources[0].shape
-    out = torch.empty_like(sources[0])
-    rc = _lib.openk3_mix_norm(int(out.dtype == torch.bfloat16), T, D, len(sources), _pointers(sources),
-                              mix_w.data_ptr(), query.data_ptr(), mix_eps,
-                              None if norm_w is None else norm_w.data_ptr(), norm_eps, out.data_ptr())  # fmt: skip
-    if rc:
-        raise RuntimeError(f"openk3_mix_norm failed ({rc}) for T={T} D={D} S={len(sources)}")
-    return out
+    (the bank in order, the partial sum last) in one call (the C file's `openk3_mix_norm`); `norm_w=None` returns
+    the mix itself."""
 
+    def __init__(self, mix_w: torch.Tensor, query: torch.Tensor, mix_eps: float, norm_w: torch.Tensor | None,
+                 norm_eps: float) -> None:  # fmt: skip
+        self.dtype, self.D = mix_w.dtype, mix_w.numel()
+        self._args = (mix_w.data_ptr(), query.data_ptr(), mix_eps, None if norm_w is None else norm_w.data_ptr(),
+                      norm_eps)  # fmt: skip
 
-def decode_apply(x_ND: torch.Tensor, tensors: list[torch.Tensor], fp32_tensors: list[torch.Tensor]) -> bool:
-    """Whether a layer decode kernel (`kda_decode`, `moe_decode`, `mla_decode_in`/`_out`) takes x [N, D] (0 < N <= MAX_ROWS),
-    these matrices and norm weights (x's dtype, fp32 or bf16) and these fp32 tensors (the router bias, the absorbed
-    MLA weights): contiguous plain CPU tensors without autograd."""
-    dtype = x_ND.dtype
-    return (
-        dtype in (torch.float32, torch.bfloat16)
-        and x_ND.dim() == 2
-        and 0 < x_ND.shape[0] <= MAX_ROWS
-        and _usable((x_ND, *tensors), dtype)
-        and _usable(fp32_tensors, torch.float32)
-    )
+    def applies(self, sources: list[torch.Tensor]) -> bool:
+        """Sources [T, D] alike (at most MAX_ROWS rows, MIX_MAX_SOURCES of them) of the weights' dtype."""
+        first = sources[0]
+        return (
+            len(sources) <= MIX_MAX_SOURCES
+            and _rows(first, self.dtype, self.D)
+            and _usable(sources, self.dtype)
+            and all(s.shape == first.shape for s in sources)
+        )
+
+    def __call__(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        T, D = sources[0].shape
+        out = torch.empty_like(sources[0])
+        rc = _lib.openk3_mix_norm(int(self.dtype == torch.bfloat16), T, D, len(sources), _pointers(sources),
+                                  *self._args, out.data_ptr())  # fmt: skip
+        if rc:
+            raise RuntimeError(f"openk3_mix_norm failed ({rc}) for T={T} D={D} S={len(sources)}")
+        return out
 
 
 MOE_MAX_TOP_K = 64  # the C kernel's bounds
 MOE_MAX_EXPERTS = 8192
 
 
-def moe_decode(x_TD: torch.Tensor, w_gate: torch.Tensor, bias_E: torch.Tensor, top_k: int, renormalize: bool,
-               scaling: float, routes_Tk: torch.Tensor | None, w_down: torch.Tensor, w1: torch.Tensor,
-               w3: torch.Tensor, w2: torch.Tensor, norm_w: torch.Tensor, norm_eps: float, w_up: torch.Tensor,
-               shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, beta: float,
-               linear_beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """A StableLatentMoE layer's decode step, one kernel call per token (the C file's `openk3_moe_decode`): the router
-    (sigmoid scores of W_gate [E, D], the top-k of scores + bias_E with ties to the lower expert id, or the replayed
-    `routes_Tk`), the down projection, the experts of the stacked w1, w3 [E, F, Lt] and w2 [E, Lt, F] and their
+class MoEDecode:
+    """A StableLatentMoE layer's decode step, one kernel call per token (the C file's `openk3_moe_decode`): the
+    router (sigmoid scores of W_gate [E, D], the top-k of scores + bias_E with ties to the lower expert id, or the
+    replayed routes), the down projection, the experts of the stacked w1, w3 [E, F, Lt] and w2 [E, Lt, F] and their
     weighted sum, the latent norm, the up projection and the shared experts (gate, up, down matrices, or None).
-    Returns (out [T, D], router scores [T, E] fp32, experts [T, k] int64 ascending). The caller checked
-    `decode_apply` and `available`."""
-    T, D = x_TD.shape
-    E, F_, Lt = w1.shape
-    if not 0 < top_k <= min(E, MOE_MAX_TOP_K) or E > MOE_MAX_EXPERTS:
-        raise ValueError(f"moe_decode takes 0 < top_k <= min(E, {MOE_MAX_TOP_K}) and E <= {MOE_MAX_EXPERTS}, got "
-                         f"top_k={top_k}, E={E}")  # fmt: skip
-    x = x_TD.contiguous()
-    out = torch.empty(T, D, dtype=x.dtype)
-    scores = torch.empty(T, E, dtype=torch.float32)
-    weights = torch.empty(T, top_k, dtype=torch.float32)
-    if routes_Tk is None:
-        idx = torch.empty(T, top_k, dtype=torch.int64)
-    else:
-        idx = routes_Tk.to(torch.int64).sort(dim=-1).values.contiguous()
-    gate, up, down = shared if shared is not None else (None, None, None)
-    rest = (w_down.data_ptr(), w1.data_ptr(), w3.data_ptr(), w2.data_ptr(), norm_w.data_ptr(), norm_eps,
-            w_up.data_ptr(), *(None if t is None else t.data_ptr() for t in (gate, up, down)), beta, linear_beta)  # fmt: skip
-    is_bf16, Fs = int(x.dtype == torch.bfloat16), 0 if gate is None else gate.shape[0]
-    size = x.element_size()
-    for t in range(T):
-        rc = _lib.openk3_moe_decode(is_bf16, D, Lt, F_, Fs, E, top_k, x.data_ptr() + t * D * size, w_gate.data_ptr(),
-                                    bias_E.data_ptr(), int(renormalize), scaling, int(routes_Tk is not None),
-                                    idx.data_ptr() + t * top_k * 8, scores.data_ptr() + t * E * 4,
-                                    weights.data_ptr() + t * top_k * 4, *rest, out.data_ptr() + t * D * size)  # fmt: skip
-        if rc == 3:
-            raise ValueError(f"routed experts of token {t} must be {top_k} distinct ids in [0, {E}), got "
-                             f"{routes_Tk[t].tolist()}")  # fmt: skip
+    A call returns (out [T, D], router scores [T, E] fp32, experts [T, k] int64 ascending)."""
+
+    def __init__(self, w_gate: torch.Tensor, bias_E: torch.Tensor, top_k: int, renormalize: bool, scaling: float,
+                 w_down: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, norm_w: torch.Tensor,
+                 norm_eps: float, w_up: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+                 beta: float, linear_beta: float) -> None:  # fmt: skip
+        E, F_, Lt = w1.shape
+        if not 0 < top_k <= min(E, MOE_MAX_TOP_K) or E > MOE_MAX_EXPERTS:
+            raise ValueError(f"moe_decode takes 0 < top_k <= min(E, {MOE_MAX_TOP_K}) and E <= {MOE_MAX_EXPERTS}, "
+                             f"got top_k={top_k}, E={E}")  # fmt: skip
+        self.dtype, self.D, self.E, self.top_k = w_gate.dtype, w_gate.shape[1], E, top_k
+        gate, up, down = shared if shared is not None else (None, None, None)
+        Fs = 0 if gate is None else gate.shape[0]
+        self._dims = (int(self.dtype == torch.bfloat16), self.D, Lt, F_, Fs, E, top_k)
+        self._router = (w_gate.data_ptr(), bias_E.data_ptr(), int(renormalize), scaling)
+        self._rest = (w_down.data_ptr(), w1.data_ptr(), w3.data_ptr(), w2.data_ptr(), norm_w.data_ptr(), norm_eps,
+                      w_up.data_ptr(), *(None if t is None else t.data_ptr() for t in (gate, up, down)), beta,
+                      linear_beta)  # fmt: skip
+
+    def applies(self, x_TD: torch.Tensor) -> bool:
+        return _rows(x_TD, self.dtype, self.D)
+
+    def __call__(self, x_TD: torch.Tensor, routes_Tk: torch.Tensor | None = None):
+        T, D = x_TD.shape
+        E, top_k = self.E, self.top_k
+        out = torch.empty(T, D, dtype=x_TD.dtype)
+        scores = torch.empty(T, E, dtype=torch.float32)
+        weights = torch.empty(T, top_k, dtype=torch.float32)
+        if routes_Tk is None:
+            idx = torch.empty(T, top_k, dtype=torch.int64)
+        else:
+            idx = routes_Tk.to(torch.int64).sort(dim=-1).values.contiguous()
+        size = x_TD.element_size()
+        x, o, s, w, i = x_TD.data_ptr(), out.data_ptr(), scores.data_ptr(), weights.data_ptr(), idx.data_ptr()
+        for t in range(T):
+            rc = _lib.openk3_moe_decode(*self._dims, x + t * D * size, *self._router, int(routes_Tk is not None),
+                                        i + t * top_k * 8, s + t * E * 4, w + t * top_k * 4, *self._rest,
+                                        o + t * D * size)  # fmt: skip
+            if rc == 3:
+                raise ValueError(f"routed experts of token {t} must be {top_k} distinct ids in [0, {E}), got "
+                                 f"{routes_Tk[t].tolist()}")  # fmt: skip
+            if rc:
+                raise RuntimeError(f"openk3_moe_decode failed ({rc}) for top_k={top_k}, E={E}")
+        return out, scores, idx
+
+
+class MLADecode:
+    """A gated MLA layer's decode step in two calls around the cache append (the C file's `openk3_mla_decode_in`
+    and `openk3_mla_decode_out`): `inputs(x [N, D])` -> (queries [N, H * (nope + rope)], the new latents
+    [N, r + rope] = [normed c ; k_pe], g_proj's output [N, H * Dv]); then `output(q, latents [N, S, R] (sequence
+    n's first lens[n]), lens, W_uk [H, nope, r], W_uv^T [H, r, Dv] (fp32, of `absorbed_weights`), scale, g)` ->
+    the attention in the absorbed form, the sigmoid gate and o_proj: [N, D]."""
+
+    def __init__(self, w_qa: torch.Tensor, qa_norm: torch.Tensor, w_qb: torch.Tensor, w_kva: torch.Tensor,
+                 kv_norm: torch.Tensor, w_g: torch.Tensor, w_o: torch.Tensor, eps: float) -> None:  # fmt: skip
+        self.dtype, self.D = w_qa.dtype, w_qa.shape[1]
+        self.Q, self.R, self.r, self.G = w_qb.shape[0], w_kva.shape[0], kv_norm.shape[0], w_g.shape[0]
+        self._in = (self.D, w_qa.shape[0], self.Q, self.R, self.r, self.G)
+        self._in_weights = (w_qa.data_ptr(), qa_norm.data_ptr(), w_qb.data_ptr(), w_kva.data_ptr(),
+                            kv_norm.data_ptr(), w_g.data_ptr(), eps)  # fmt: skip
+        self._w_o = w_o.data_ptr()
+
+    def applies(self, x_ND: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> bool:
+        return _rows(x_ND, self.dtype, self.D) and _usable((w_uk, w_uv), torch.float32)
+
+    def inputs(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        N = x_ND.shape[0]
+        q, latent, g = (torch.empty(N, n, dtype=x_ND.dtype) for n in (self.Q, self.R, self.G))
+        rc = _lib.openk3_mla_decode_in(int(self.dtype == torch.bfloat16), N, *self._in, x_ND.data_ptr(),
+                                       *self._in_weights, q.data_ptr(), latent.data_ptr(), g.data_ptr())  # fmt: skip
         if rc:
-            raise RuntimeError(f"openk3_moe_decode failed ({rc}) for top_k={top_k}, E={E}")
-    return out, scores, idx
+            raise RuntimeError(f"openk3_mla_decode_in refused N={N} (at most {MAX_ROWS}), r={self.r}, r + rope={self.R}")
+        return q, latent, g
 
-
-def mla_decode_in(x_ND: torch.Tensor, w_qa: torch.Tensor, qa_norm: torch.Tensor, w_qb: torch.Tensor,
-                  w_kva: torch.Tensor, kv_norm: torch.Tensor, w_g: torch.Tensor,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """A gated MLA layer's decode inputs in one call (the C file's `openk3_mla_decode_in`): x [N, D] -> (queries
-    [N, H * (nope + rope)], the new latents [N, r + rope] = [normed c ; k_pe], g_proj's output [N, H * Dv]). The
-    caller checked `decode_apply` and `available`."""
-    N, D = x_ND.shape
-    Lq, Q, R, r, G = w_qa.shape[0], w_qb.shape[0], w_kva.shape[0], kv_norm.shape[0], w_g.shape[0]
-    q, latent, g = (torch.empty(N, n, dtype=x_ND.dtype) for n in (Q, R, G))
-    rc = _lib.openk3_mla_decode_in(int(x_ND.dtype == torch.bfloat16), N, D, Lq, Q, R, r, G, x_ND.data_ptr(),
-                                   w_qa.data_ptr(), qa_norm.data_ptr(), w_qb.data_ptr(), w_kva.data_ptr(),
-                                   kv_norm.data_ptr(), w_g.data_ptr(), eps, q.data_ptr(), latent.data_ptr(),
-                                   g.data_ptr())  # fmt: skip
-    if rc:
-        raise RuntimeError(f"openk3_mla_decode_in refused N={N} (at most {MAX_ROWS}), r={r}, r + rope={R}")
-    return q, latent, g
-
-
-def mla_decode_out(q_NQ: torch.Tensor, latent_NSR: torch.Tensor, lens: list[int], w_uk: torch.Tensor,
-                   w_uv: torch.Tensor, scale: float, g_NG: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """Attention of the decode queries q [N, H * (nope + rope)] over the cached latents [N, S, R] (sequence n's first
-    lens[n]) in the absorbed form (fp32 W_uk [H, nope, r] and W_uv^T [H, r, Dv] of `absorbed_weights`), the sigmoid
-    gate of g [N, H * Dv] and o_proj: [N, D] (the C file's `openk3_mla_decode_out`). The caller checked
-    `decode_apply` and `available`."""
-    N, S, R = latent_NSR.shape
-    H, nope, r = w_uk.shape
-    Dv, D = w_uv.shape[2], w_o.shape[0]
-    out = torch.empty(N, D, dtype=q_NQ.dtype)
-    lens_arr = (ctypes.c_int64 * N)(*lens)
-    latent = latent_NSR.contiguous()
-    rc = _lib.openk3_mla_decode_out(int(q_NQ.dtype == torch.bfloat16), N, H, nope, R - r, r, Dv, D, S,
-                                    q_NQ.data_ptr(), latent.data_ptr(), lens_arr, w_uk.data_ptr(), w_uv.data_ptr(),
-                                    scale, g_NG.data_ptr(), w_o.data_ptr(), out.data_ptr())  # fmt: skip
-    if rc:
-        raise RuntimeError(f"openk3_mla_decode_out failed ({rc}) for N={N}, S={S}, lengths {lens}")
-    return out
+    def output(self, q_NQ: torch.Tensor, latent_NSR: torch.Tensor, lens: list[int], w_uk: torch.Tensor,
+               w_uv: torch.Tensor, scale: float, g_NG: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        N, S, R = latent_NSR.shape
+        H, nope, r = w_uk.shape
+        Dv = w_uv.shape[2]
+        out = torch.empty(N, self.D, dtype=q_NQ.dtype)
+        lens_arr = (ctypes.c_int64 * N)(*lens)
+        latent = latent_NSR.contiguous()
+        rc = _lib.openk3_mla_decode_out(int(self.dtype == torch.bfloat16), N, H, nope, R - r, r, Dv, self.D, S,
+                                        q_NQ.data_ptr(), latent.data_ptr(), lens_arr, w_uk.data_ptr(),
+                                        w_uv.data_ptr(), scale, g_NG.data_ptr(), self._w_o, out.data_ptr())  # fmt: skip
+        if rc:
+            raise RuntimeError(f"openk3_mla_decode_out failed ({rc}) for N={N}, S={S}, lengths {lens}")
+        return out

@@ -646,10 +646,11 @@ def markdown(r: dict, dtypes: list[str], args) -> str:
     lines += ["", f"## openk3 decode profile (torch.profiler, {r['profile'][dtypes[0]]['steps']} steps per dtype)", "",
               ("Self CPU time of the ops on the calling thread, per step, by category; matmul includes any custom op "
                "named *gemv* or *expert*; fused layers are the kernels that run a whole KDA layer, a "
-               "MoE layer (router included), a gated MLA layer (two calls around the cache append) or an AttnRes "
-               "mix with its norm (their matmuls included). The ctypes kernels, "
-               "which the profiler does not see, are each wrapped in a "
-               f"`record_function` while profiling: {', '.join(f'`{k}`' for k in kernels) or 'none found'}. Overhead "
+               "MoE layer (router included), a gated MLA layer (two calls around the cache append), an AttnRes "
+               "mix with its norm, or a decode step's whole decoder stack, all of those in one call "
+               "(`decode_stack`; their matmuls included). The ctypes kernels, "
+               "which the profiler does not see, are each called inside a "
+               f"`record_function` while profiling: {', '.join(f'`{k}`' for k in kernels) or 'none called'}. Overhead "
                "= the profiled wall time minus the ops' summed self time (Python, engine bookkeeping, dispatch, and "
                "the profiler's own cost)."), "",
               "| dtype | ms/step unprofiled | ms/step profiled | " + " | ".join(CATEGORIES) + " | overhead |",

@@ -5,30 +5,25 @@ top ops, and the time outside any op (Python, the engine's bookkeeping, dispatch
 
 Self times are those of the ops on the calling thread: an op's intra-op worker threads count toward the op that
 started them. Kernels called through ctypes (`openk3.ops.cpu_kernels`) are no torch ops, so the profiler would count
-them as overhead: while profiling, each one in `KERNELS` that exists is wrapped in a `record_function` named
-`cpu_kernels::NAME` (the names contain "gemv" or "expert": matmul), and the result lists the ones wrapped. Reading
+them as overhead: while profiling, each C function is called inside a `record_function` named `cpu_kernels::NAME`
+(the names contain "gemv" or "expert": matmul), and the result lists the ones called. Reading
 the profiler's events back costs ~70 us per event (~1500 events per tiny-model step), so keep `steps` small.
 """
 
 from __future__ import annotations
 
-import importlib
 import time
 from contextlib import contextmanager
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from openk3.ops import dispatch
+from openk3.ops import cpu_kernels
 from openk3.serve.request import SamplingParams
-
-KERNELS = tuple(("openk3.ops.cpu_kernels", name)
-                for name in ("linear_gemv", "experts", "moe_decode", "kda_decode", "mix_norm",
-                             "mla_decode_in", "mla_decode_out"))  # fmt: skip
 
 CATEGORIES = ("matmul", "fused layers", "elementwise", "indexing/copies", "reductions/norms", "other")
 # The kernels that run a whole layer part in one call (its matmuls included): a KDA layer, a MoE layer, a gated MLA
-# layer (two calls), an AttnRes mix with its norm.
-FUSED_LAYER_KERNELS = ("kda_decode", "moe_decode", "mla_decode", "mix_norm")
+# layer (two calls), an AttnRes mix with its norm, and the decoder stack of a step (all of them, one call).
+FUSED_LAYER_KERNELS = ("kda_decode", "moe_decode", "mla_decode", "mix_norm", "decode_stack")
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "linear", "mv", "addmv", "matmul", "_addmm_activation"}
 ELEMENTWISE_OPS = {"add", "sub", "rsub", "mul", "div", "neg", "exp", "log", "log1p", "expm1", "sigmoid", "silu",
                    "gelu", "relu", "tanh", "rsqrt", "sqrt", "pow", "clamp", "clamp_min", "clamp_max", "where",
@@ -69,38 +64,40 @@ def op_category(name: str) -> str:
     return "other"
 
 
+class _AnnotatedLibrary:
+    """The kernel library with each C function called inside a `record_function` of its name."""
+
+    def __init__(self, lib, names: list[str]):
+        self._lib, self._names = lib, names
+
+    def __getattr__(self, attr: str):
+        fn = getattr(self._lib, attr)
+        name = f"cpu_kernels::{attr.removeprefix('openk3_')}"
+        if name not in self._names:
+            self._names.append(name)
+
+        def call(*args, _fn=fn, _name=name):
+            with record_function(_name):
+                return _fn(*args)
+
+        return call
+
+
 @contextmanager
 def annotated_kernels():
-    """Wrap each ctypes kernel of `KERNELS` (the module attribute, and any `ops.dispatch.IMPLS` entry holding it) in
-    a `record_function` of its name for the duration; yields the names wrapped (absent kernels are skipped)."""
-    undo, names = [], []
-    for module_name, attr in KERNELS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        fn = getattr(module, attr, None)
-        if fn is None:
-            continue
-        name = f"{module_name.rsplit('.', 1)[-1]}::{attr}"
-
-        def wrapper(*args, _fn=fn, _name=name, **kwargs):
-            with record_function(_name):
-                return _fn(*args, **kwargs)
-
-        undo.append((module.__dict__, attr, fn))
-        setattr(module, attr, wrapper)
-        for impls in dispatch.IMPLS.values():
-            for key, impl in impls.items():
-                if impl is fn:
-                    undo.append((impls, key, fn))
-                    impls[key] = wrapper
-        names.append(name)
+    """Route the ctypes kernels (`ops.cpu_kernels`' library) through `record_function`s of their names for the
+    duration; yields the list of names called (filled as they are; empty without the library)."""
+    names: list[str] = []
+    lib = cpu_kernels.library()
+    if lib is None:
+        yield names
+        return
+    previous = cpu_kernels._lib
+    cpu_kernels._lib = _AnnotatedLibrary(lib, names)
     try:
         yield names
     finally:
-        for table, key, fn in reversed(undo):
-            table[key] = fn
+        cpu_kernels._lib = previous
 
 
 def profile_decode(engine, prompt: list[int], steps: int, top: int = 15) -> dict:

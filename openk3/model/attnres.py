@@ -36,15 +36,17 @@ def mix_norm(bank: list[torch.Tensor], partial_TD: torch.Tensor, norm: RMSNorm, 
     CPU take one fused kernel (`ops.cpu_kernels.MixNorm`) with the same math and roundings; this composition is
     its reference."""
     sources = [*bank, partial_TD]
-
-    def weights():
-        tensors = [norm.weight, proj.weight, out_norm.weight]
-        return tensors, [], lambda cls: cls(norm.weight, proj.weight, norm.eps, out_norm.weight, out_norm.eps)
-
-    kernel = dispatch.prepared_kernel("mix_norm", norm, partial_TD.device, weights, (proj, out_norm))
+    kernel = dispatch.prepared_kernel("mix_norm", norm, partial_TD.device, lambda: mix_norm_weights(norm, proj, out_norm),
+                                      (proj, out_norm))  # fmt: skip
     if kernel is not None and kernel.applies(sources):
         return kernel(sources)
     return out_norm(mix(bank, partial_TD, norm, proj))
+
+
+def mix_norm_weights(norm: RMSNorm, proj: nn.Linear, out_norm: RMSNorm):
+    """The fused mix_norm's weights and how to make it over them (`ops.dispatch.prepared_kernel`)."""
+    tensors = [norm.weight, proj.weight, out_norm.weight]
+    return tensors, [], lambda cls: cls(norm.weight, proj.weight, norm.eps, out_norm.weight, out_norm.eps)
 
 
 def close_block(bank: list[torch.Tensor], partial_TD: torch.Tensor, block_start: bool) -> list[torch.Tensor]:

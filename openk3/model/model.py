@@ -22,8 +22,9 @@ from torch import nn
 
 from openk3.config import K3Config
 from openk3.model import attnres
-from openk3.model.batch import ForwardBatch
+from openk3.model.batch import ForwardBatch, Mode
 from openk3.model.cache import K3Cache
+from openk3.model.decode_stack import decode_stack
 from openk3.model.hf import load_pretrained, save_pretrained
 from openk3.model.kda import KimiDeltaAttention
 from openk3.model.layers import DenseMLP, Linear, RMSNorm
@@ -92,6 +93,10 @@ class K3Model(nn.Module):
         if batch.routed_experts is not None:
             self._check_routes(batch.routed_experts, batch.input_ids_T.shape[0])
         partial_TD = self.embed_tokens(batch.input_ids_T) if embeds_TD is None else embeds_TD
+        if batch.mode is Mode.DECODE and batch.context_parallel is None and batch.cache is not None:
+            hidden_TD = decode_stack(self, partial_TD, batch)  # every layer in one kernel call, where it applies
+            if hidden_TD is not None:
+                return hidden_TD
         bank: list[torch.Tensor] = []
         for layer in self.layers:
             out_TD = layer(partial_TD, bank, batch)

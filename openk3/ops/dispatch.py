@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from openk3.ops import cpu_kernels
 from openk3.ops.cpu_kernels import packs
+from openk3.ops.cpu_kernels.stack import DecodeStack
 from openk3.ops.kda import gpu, step
 from openk3.ops.kda.chunk import kda_chunked as kda_chunked_cpu
 from openk3.ops.kda.chunk_bf16 import kda_chunked_bf16
@@ -60,9 +61,11 @@ IMPLS: dict[str, dict[str, Callable]] = {
     "mix_norm": {"ref": None, "fused": cpu_kernels.MixNorm},
     "moe_decode": {"ref": None, "fused": cpu_kernels.MoEDecode},
     "mla_decode": {"ref": None, "fused": cpu_kernels.MLADecode},
+    # A decode step's whole decoder stack in one call (model/decode_stack.py); "ref" = the layer loop.
+    "decode_stack": {"ref": None, "fused": DecodeStack},
 }
 CPU_DEFAULTS = {"linear": "gemv", "experts": "fused", "kda_decode": "fused", "mix_norm": "fused", "moe_decode": "fused",
-                "mla_decode": "fused"}  # fmt: skip
+                "mla_decode": "fused", "decode_stack": "fused"}  # fmt: skip
 _forced: dict[str, str] = {}
 
 

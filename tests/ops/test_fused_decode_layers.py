@@ -31,29 +31,6 @@ DTYPES = [torch.float32, torch.bfloat16]
 torch_path = dispatch.reference_path
 
 
-class _Calls:
-    """The kernel library with a count of the calls of each C function (proof that a path ran the kernel)."""
-
-    def __init__(self, lib):
-        self.lib, self.count = lib, {}
-
-    def __getattr__(self, name):
-        fn = getattr(self.lib, name)
-
-        def call(*args):
-            self.count[name] = self.count.get(name, 0) + 1
-            return fn(*args)
-
-        return call
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    spy = _Calls(cpu_kernels.library())
-    monkeypatch.setattr(cpu_kernels, "_lib", spy)
-    return spy.count
-
-
 def _randomize(module: torch.nn.Module, seed: int, scale: float = 0.3) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

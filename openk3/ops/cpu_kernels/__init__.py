@@ -106,6 +106,9 @@ def _build() -> ctypes.CDLL:
     fn = lib.openk3_mix_norm
     fn.argtypes = [ctypes.c_int, i64, i64, i64, ptrs, vp, vp, f32, vp, f32, vp]
     fn.restype = ctypes.c_int
+    fn = lib.openk3_decode_stack  # layers: an array of stack.LayerArgs; the MLA rows: a stack.MLARows
+    fn.argtypes = [ctypes.c_int, i64, i64, i64, vp, vp, ptrs, ctypes.POINTER(ctypes.c_double), vp, vp]
+    fn.restype = ctypes.c_int
     return lib
 
 
@@ -246,19 +249,23 @@ class KDADecode:
                  conv_w: list[torch.Tensor], A_log_H: torch.Tensor, dt_bias_P: torch.Tensor, lower_bound: float,
                  norm_w_K: torch.Tensor, eps: float, scale: float) -> None:  # fmt: skip
         self.dtype = w_o.dtype
-        self.D, self.P, self.W = w_o.shape[0], w_o.shape[1], conv_w[0].shape[-1]
+        self.D, self.P, self.W, self.H = w_o.shape[0], w_o.shape[1], conv_w[0].shape[-1], A_log_H.shape[0]
         self._weights = (_pointers(projections), w_fb.data_ptr(), w_o.data_ptr())
         self._params = (_pointers(conv_w), A_log_H.data_ptr(), dt_bias_P.data_ptr(), lower_bound, norm_w_K.data_ptr(),
                         eps, scale)  # fmt: skip
 
     def applies(self, x_ND: torch.Tensor, io) -> bool:
-        """x [N, D] of the weights' dtype; the conv tails of `io` of that dtype, its states fp32 [*, H, K, K] with
-        H K = P and K within the kernel's bound."""
+        """x [N, D] of the weights' dtype, and `applies_io`."""
+        return _rows(x_ND, self.dtype, self.D) and self.applies_io(io)
+
+    def applies_io(self, io) -> bool:
+        """The conv tails of `io` of the weights' dtype, its states fp32 [*, H, K, K] with H K = P and K within the
+        kernel's bound."""
         _, H, K, _ = io.state_in.shape
         return (
-            H * K == self.P
+            H == self.H
+            and H * K == self.P
             and K <= KDA_MAX_HEAD_DIM
-            and _rows(x_ND, self.dtype, self.D)
             and _usable((*io.tails_in, *io.tails_out), self.dtype)
             and _usable((io.state_in, io.state_out), torch.float32)
         )

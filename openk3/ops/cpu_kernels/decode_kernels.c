@@ -707,3 +707,144 @@ int openk3_mla_decode_out(int is_bf16, int64_t N, int64_t H, int64_t nope, int64
     free(mem);
     return failed ? 2 : 0;
 }
+
+/* ---- The decoder stack of a decode step, in one call ------------------------------------------------------------
+ * (model/model.py K3Model.forward over its layers, DECODE mode; model/attnres.py for the bank.) The layer kernels
+ * above, called in the order the modules call them, with the Block AttnRes bookkeeping between them:
+ *   x = mix_norm(bank + [P], attention site);  if block start: bank += [P]
+ *   a = mixer(x) (KDA, or MLA around the append of the new latents to the paged pool);  P = a if block start else rnd(P + a)
+ *   x = mix_norm(bank + [P], FFN site);  P = rnd(P + ffn(x)) (the dense MLP, or the MoE layer, token by token)
+ * and after the last layer out = mix_norm(bank + [P], output site). Why one call: between ~50 kernel calls a step
+ * spent ~10 ms in Python (module calls, checks, allocations) against ~30 ms of kernels for a bf16 decode step of
+ * the benchmark model (benchmarks/results/cpu.md). Every field is 8 bytes (int64, double, pointer), so the ctypes
+ * mirror (ops/cpu_kernels/stack.py) lays out exactly as this struct; activations are in the act dtype, as the
+ * torch path keeps them. */
+typedef struct {
+    int64_t block_start, mixer, ffn; /* mixer 0: KDA, 1: MLA; ffn 0: dense MLP, 1: MoE */
+    const void *mix_w[2], *query[2], *norm_w[2]; /* the attention site, then the FFN site */
+    double mix_eps[2], norm_eps[2];
+    /* KDA (openk3_kda_decode's arguments) */
+    int64_t H, K, W;
+    const void *const *proj;
+    const void *w_fb, *w_o;
+    const void *const *tails_in;
+    const float *state_in;
+    const int64_t *rows_in;
+    void *const *tails_out;
+    float *state_out;
+    const int64_t *rows_out;
+    const float *const *conv_w;
+    const float *A_log, *dt_bias, *o_norm_w;
+    double lower_bound, kda_eps, kda_scale;
+    /* MLA (openk3_mla_decode_in / _out's arguments) and its paged pool [rows, R] in the act dtype */
+    int64_t Lq, Q, R, r, G, Hm, nope, Dv;
+    const void *w_qa, *qa_norm, *w_qb, *w_kva, *kv_norm, *w_g, *w_om;
+    const float *w_uk, *w_uv;
+    double mla_eps, mla_scale;
+    void *pool;
+    /* dense MLP (openk3_experts with k = 1) */
+    int64_t F;
+    const void *d_w1, *d_w3, *d_w2;
+    /* MoE (openk3_moe_decode's arguments; idx, scores, weights: [T, k], [T, E], [T, k], per token) */
+    int64_t Lt, Fe, Fs, E, k, renormalize, replay;
+    const void *w_gate;
+    const float *bias;
+    double scaling;
+    int64_t *idx;
+    float *scores, *weights;
+    const void *w_down, *w1s, *w3s, *w2s, *lat_norm_w;
+    double lat_norm_eps;
+    const void *w_up, *ws_gate, *ws_up, *ws_down;
+    double beta, linear_beta;
+} openk3_layer;
+
+/* MLA positions of this step, shared by every MLA layer: the new latent of sequence n goes to pool row write[n];
+ * its block is rows read[n, 0 .. S-1] (len[n] of them real). */
+typedef struct {
+    const int64_t *write, *read, *len;
+    int64_t S;
+} openk3_mla_rows;
+
+int openk3_decode_stack(int is_bf16, int64_t N, int64_t D, int64_t L, const openk3_layer *layers,
+                        const openk3_mla_rows *mla, const void *const *out_site, const double *out_eps,
+                        const void *x, void *out) {
+    if (N < 1 || N > MAX_ROWS || L < 1) return 1;
+    const size_t el = is_bf16 ? 2 : 4, row = (size_t)(N * D) * el;
+    int64_t nbank_max = 1, mla_max = 0;
+    for (int64_t l = 0; l < L; l++) {
+        nbank_max += layers[l].block_start != 0;
+        if (layers[l].mixer == 1) {
+            const openk3_layer *y = &layers[l];
+            const int64_t need = N * (y->Q + y->R + y->G) + N * mla->S * y->R;
+            if (need > mla_max) mla_max = need;
+        }
+    }
+    if (nbank_max > 64) return 1;
+    /* act-dtype buffers: the bank, P, x, a (one row block each), the MLA scratch */
+    char *mem = malloc(row * (size_t)(nbank_max + 3) + (size_t)mla_max * el);
+    if (!mem) return 2;
+    char *bank = mem, *P = bank + row * (size_t)nbank_max, *xb = P + row, *ab = xb + row, *scratch = ab + row;
+    const void *src[65];
+    int64_t nbank = 0;
+    int rc = 0;
+    memcpy(P, x, row);
+    for (int64_t l = 0; l < L && !rc; l++) {
+        const openk3_layer *y = &layers[l];
+        for (int64_t s = 0; s < nbank; s++) src[s] = bank + row * (size_t)s;
+        src[nbank] = P;
+        rc = openk3_mix_norm(is_bf16, N, D, nbank + 1, src, y->mix_w[0], y->query[0], (float)y->mix_eps[0],
+                             y->norm_w[0], (float)y->norm_eps[0], xb);
+        if (rc) break;
+        if (y->block_start) memcpy(bank + row * (size_t)nbank++, P, row);
+        if (y->mixer == 0) {
+            rc = openk3_kda_decode(is_bf16, N, D, y->H, y->K, y->W, xb, y->proj, y->w_fb, y->w_o, y->tails_in,
+                                   y->state_in, y->rows_in, y->tails_out, y->state_out, y->rows_out, y->conv_w,
+                                   y->A_log, y->dt_bias, (float)y->lower_bound, y->o_norm_w, (float)y->kda_eps,
+                                   (float)y->kda_scale, ab);
+        } else {
+            char *q = scratch, *lat = q + (size_t)(N * y->Q) * el, *g = lat + (size_t)(N * y->R) * el;
+            char *blk = g + (size_t)(N * y->G) * el;
+            rc = openk3_mla_decode_in(is_bf16, N, D, y->Lq, y->Q, y->R, y->r, y->G, xb, y->w_qa, y->qa_norm, y->w_qb,
+                                      y->w_kva, y->kv_norm, y->w_g, (float)y->mla_eps, q, lat, g);
+            if (rc) break;
+            const size_t lrow = (size_t)y->R * el;
+            for (int64_t n = 0; n < N; n++) memcpy((char *)y->pool + (size_t)mla->write[n] * lrow, lat + n * lrow, lrow);
+            for (int64_t i = 0; i < N * mla->S; i++)
+                memcpy(blk + (size_t)i * lrow, (char *)y->pool + (size_t)mla->read[i] * lrow, lrow);
+            rc = openk3_mla_decode_out(is_bf16, N, y->Hm, y->nope, y->R - y->r, y->r, y->Dv, D, mla->S, q, blk,
+                                       mla->len, y->w_uk, y->w_uv, (float)y->mla_scale, g, y->w_om, ab);
+        }
+        if (rc) break;
+        for (int64_t i = 0; i < N * D; i++) /* P = a at a block start, else rnd(P + a) */
+            store_any(is_bf16, P, i, y->block_start ? load_any(is_bf16, ab, i) : load_any(is_bf16, P, i) + load_any(is_bf16, ab, i));
+        for (int64_t s = 0; s < nbank; s++) src[s] = bank + row * (size_t)s;
+        src[nbank] = P;
+        rc = openk3_mix_norm(is_bf16, N, D, nbank + 1, src, y->mix_w[1], y->query[1], (float)y->mix_eps[1],
+                             y->norm_w[1], (float)y->norm_eps[1], xb);
+        for (int64_t n = 0; n < N && !rc; n++) {
+            const char *xn = xb + (size_t)(n * D) * el;
+            char *an = ab + (size_t)(n * D) * el;
+            if (y->ffn == 0) {
+                rc = openk3_experts(is_bf16, xn, D, y->F, D, 1, &y->d_w1, &y->d_w3, &y->d_w2, NULL, (float)y->beta,
+                                    (float)y->linear_beta, an);
+            } else {
+                rc = openk3_moe_decode(is_bf16, D, y->Lt, y->Fe, y->Fs, y->E, y->k, xn, y->w_gate, y->bias,
+                                       (int)y->renormalize, (float)y->scaling, (int)y->replay, y->idx + n * y->k,
+                                       y->scores + n * y->E, y->weights + n * y->k, y->w_down, y->w1s, y->w3s, y->w2s,
+                                       y->lat_norm_w, (float)y->lat_norm_eps, y->w_up, y->ws_gate, y->ws_up,
+                                       y->ws_down, (float)y->beta, (float)y->linear_beta, an);
+                if (rc == 3) rc = 100 + (int)n; /* replayed routes of token n refused */
+            }
+        }
+        if (rc) break;
+        for (int64_t i = 0; i < N * D; i++) store_any(is_bf16, P, i, load_any(is_bf16, P, i) + load_any(is_bf16, ab, i));
+    }
+    if (!rc) {
+        for (int64_t s = 0; s < nbank; s++) src[s] = bank + row * (size_t)s;
+        src[nbank] = P;
+        rc = openk3_mix_norm(is_bf16, N, D, nbank + 1, src, out_site[0], out_site[1], (float)out_eps[0], out_site[2],
+                             (float)out_eps[1], out);
+    }
+    free(mem);
+    return rc;
+}

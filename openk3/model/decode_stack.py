@@ -7,7 +7,8 @@ kernel calls (module calls, checks, allocations, benchmarks/results/cpu.md).
 
 It applies to a DECODE batch of at most MAX_ROWS sequences on CPU, without context parallelism, when every layer
 kernel is selected ("fused", `ops.dispatch`) and takes its layer's weights (one dtype, fp32 or bf16), every MoE
-layer dispatches locally, the KDA entries give `decode_in_out()`, and the MLA entries are pages of one pool
+layer dispatches locally, no module hook would see a call of the layer loop (a layer, its mixer, FFN or norms:
+FSDP's, a user's), the KDA entries give `decode_in_out()`, and the MLA entries are pages of one pool
 (`decode_rows()` / `advance()`: serving's paged views; the list cache of `K3Cache` is not, and takes the layer
 loop). The stack over the weights is prepared once per model while they stay the same tensors
 (`ops.cpu_kernels.packs`). Observers of MoE layers see the kernel's scores and experts after the stack, in layer
@@ -17,6 +18,7 @@ order, as they would have during the loop.
 from __future__ import annotations
 
 import torch
+from torch.nn.modules import module
 
 from openk3.model.attnres import mix_norm_weights
 from openk3.model.batch import ForwardBatch
@@ -69,11 +71,24 @@ def _stack_weights(model):
     return tensors, fp32, make
 
 
+def _hooked(model) -> bool:
+    """Whether a hook would see a module call of the layer loop (a layer, its mixer, FFN or norms): the stack makes
+    none of them, so it steps aside."""
+    if any((module._global_forward_hooks, module._global_forward_pre_hooks, module._global_backward_hooks,
+            module._global_backward_pre_hooks)):  # fmt: skip
+        return True
+    for layer in model.layers:
+        for m in (layer, *layer._modules.values()):
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+                return True
+    return False
+
+
 def decode_stack(model, partial_TD: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
     """K3Model's final-norm hidden states [N, D] of a DECODE batch (`partial_TD` [N, D]: the token embeddings) in one
     kernel call, updating the cache as the layer loop would; None where the stack does not apply (see above)."""
     device = partial_TD.device
-    if any(dispatch.select(op, device) != "fused" for op in STACK_OPS):
+    if any(dispatch.select(op, device) != "fused" for op in STACK_OPS) or _hooked(model):
         return None
     stack = dispatch.prepared_kernel("decode_stack", model, device, lambda: _stack_weights(model))
     if stack is None or not stack.applies(partial_TD):

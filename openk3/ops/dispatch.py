@@ -16,7 +16,8 @@ on CPU, "ref" elsewhere): one decode token's routed experts, or a dense SiTU MLP
 torch path in model/) are a whole KDA layer's decode step (its input to o_proj's output), and a Block AttnRes mix with
 the RMSNorm after it; `moe_decode` ("fused" on CPU) a StableLatentMoE layer's decode step (router included);
 `mla_decode` ("fused" on CPU) a gated MLA layer's decode step in two kernels (projections and norms; attention and
-the gated o_proj, around the cache append). For these four, `prepared_kernel` returns the kernel prepared for a
+the gated o_proj, around the cache append); `decode_stack` ("fused" on CPU) a decode step's whole decoder stack in
+one call (model/decode_stack.py), taken only where all of these are "fused". For these, `prepared_kernel` returns the kernel prepared for a
 module's weights (once per module, `ops.cpu_kernels.packs`) where it is selected, else None.
 """
 

@@ -2,7 +2,7 @@
 fused kernels, `use_impl("decode_stack", "ref")`): the same kernels in the same order, so the same bits: logits,
 tokens, recorded routes and the KDA pools after the run, fp32 and bf16, with several ragged sequences whose MLA
 latents span pages, under routing replay, and with an observer. Where it does not apply (the list cache of
-K3Cache, a forced reference, autograd) the layer loop runs."""
+K3Cache, a forced reference, a module hook) the layer loop runs."""
 
 from __future__ import annotations
 
@@ -95,3 +95,16 @@ def test_the_layer_loop_runs_where_the_stack_does_not_apply(calls):
         model(ids, cache=cache)
         model(ids[:, :1], cache=cache)  # a decode step on the list cache: no pool rows for the MLA layers
     assert "openk3_decode_stack" not in calls and calls.get("openk3_kda_decode", 0) > 0
+
+
+def test_a_hook_on_a_layer_takes_the_layer_loop(calls):
+    model = tiny_model(0)
+    seen = []
+    handle = model.model.layers[2].self_attn.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    try:
+        engine = make_engine(model, hash_unit=16, block_size=16)
+        engine.add_request({"prompt_token_ids": PROMPTS[1]}, SamplingParams(max_tokens=3, ignore_eos=True), "0")
+        run_outputs(engine)
+    finally:
+        handle.remove()
+    assert "openk3_decode_stack" not in calls and len(seen) == 3  # the prefill and two decode steps

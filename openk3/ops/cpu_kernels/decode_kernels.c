@@ -1,4 +1,5 @@
-/* CPU decode kernels: a bf16 GEMV, and the fused forward of a token's top-k routed experts (fp32 or bf16).
+/* CPU decode kernels: a bf16 GEMV, the fused forward of a token's top-k routed experts (fp32 or bf16), and (in
+ * the sections below) whole-layer kernels and the decoder stack of a decode step built from them.
  *
  * Why: decode reads every active weight once per token, so it is bound by memory bandwidth. PyTorch's bf16
  * matrix-vector product on CPU (oneDNN/MKL at M = 1) reaches 7-10 GB/s here against 16-19 GB/s for its fp32 one,

@@ -102,7 +102,7 @@ def decode_stack(model, partial_TD: torch.Tensor, batch: ForwardBatch) -> torch.
             return None
         ios.append((l, io))
     views = [entries[l] for l in stack.mla]
-    rows = None
+    rows, pools, absorbed = None, [], []
     if views:
         if not all(hasattr(v, "decode_rows") and v.written == views[0].written for v in views):
             return None
@@ -116,7 +116,7 @@ def decode_stack(model, partial_TD: torch.Tensor, batch: ForwardBatch) -> torch.
         return None
     for l, io in ios:
         stack.set_kda(l, io)
-    for l, pool, (w_uk, w_uv) in zip(stack.mla, pools if views else [], absorbed if views else []):
+    for l, pool, (w_uk, w_uv) in zip(stack.mla, pools, absorbed):
         stack.set_mla(l, pool, w_uk, w_uv, layers[l].self_attn.scale)
     N = partial_TD.shape[0]
     if moes:

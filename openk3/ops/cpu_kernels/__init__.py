@@ -209,18 +209,9 @@ def _pointers(tensors) -> ctypes.Array:
 
 
 def _rows(x: torch.Tensor, dtype: torch.dtype, D: int) -> bool:
-    """x [N, D] of `dtype`, 0 < N <= MAX_ROWS, a contiguous plain CPU tensor that autograd does not need: the
-    per-call check of a prepared layer kernel's input (its weights were checked when it was prepared)."""
-    return (
-        x.dtype == dtype
-        and type(x) in _PLAIN_TYPES
-        and x.is_cpu
-        and x.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS
-        and x.shape[1] == D
-        and x.is_contiguous()
-        and not (x.requires_grad and torch.is_grad_enabled())
-    )
+    """x [N, D] of `dtype`, 0 < N <= MAX_ROWS, `_usable`: the per-call check of a prepared layer kernel's input (its
+    weights were checked when it was prepared)."""
+    return x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == D and _usable((x,), dtype)
 
 
 def weights_apply(tensors: list[torch.Tensor], fp32_tensors: list[torch.Tensor] = ()) -> bool:
@@ -270,15 +261,20 @@ class KDADecode:
             and _usable((io.state_in, io.state_out), torch.float32)
         )
 
+    @staticmethod
+    def io_args(io) -> tuple:
+        """`openk3_kda_decode`'s cache arguments for `io`: (tails in, state in, rows in, tails out, state out, rows
+        out), the tails and rows as ctypes arrays (the caller keeps them alive through the call)."""
+        N = len(io.rows_in)
+        return (_pointers(io.tails_in), io.state_in.data_ptr(), (ctypes.c_int64 * N)(*io.rows_in),
+                _pointers(io.tails_out), io.state_out.data_ptr(), (ctypes.c_int64 * N)(*io.rows_out))  # fmt: skip
+
     def __call__(self, x_ND: torch.Tensor, io) -> torch.Tensor:
         N = x_ND.shape[0]
         _, H, K, _ = io.state_in.shape
         out = torch.empty_like(x_ND)
-        rows_in, rows_out = (ctypes.c_int64 * N)(*io.rows_in), (ctypes.c_int64 * N)(*io.rows_out)
         rc = _lib.openk3_kda_decode(int(self.dtype == torch.bfloat16), N, self.D, H, K, self.W, x_ND.data_ptr(),
-                                    *self._weights, _pointers(io.tails_in), io.state_in.data_ptr(), rows_in,
-                                    _pointers(io.tails_out), io.state_out.data_ptr(), rows_out, *self._params,
-                                    out.data_ptr())  # fmt: skip
+                                    *self._weights, *self.io_args(io), *self._params, out.data_ptr())  # fmt: skip
         if rc:
             raise RuntimeError(f"openk3_kda_decode refused N={N} (at most {MAX_ROWS}) H={H} K={K} W={self.W}")
         return out

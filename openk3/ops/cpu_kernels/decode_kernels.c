@@ -791,12 +791,14 @@ int openk3_decode_stack(int is_bf16, int64_t N, int64_t D, int64_t L, const open
     memcpy(P, x, row);
     for (int64_t l = 0; l < L && !rc; l++) {
         const openk3_layer *y = &layers[l];
-        for (int64_t s = 0; s < nbank; s++) src[s] = bank + row * (size_t)s;
-        src[nbank] = P;
+        src[nbank] = P; /* src = the bank's blocks, then the partial sum */
         rc = openk3_mix_norm(is_bf16, N, D, nbank + 1, src, y->mix_w[0], y->query[0], (float)y->mix_eps[0],
                              y->norm_w[0], (float)y->norm_eps[0], xb);
         if (rc) break;
-        if (y->block_start) memcpy(bank + row * (size_t)nbank++, P, row);
+        if (y->block_start) {
+            src[nbank] = bank + row * (size_t)nbank;
+            memcpy(bank + row * (size_t)nbank++, P, row);
+        }
         if (y->mixer == 0) {
             rc = openk3_kda_decode(is_bf16, N, D, y->H, y->K, y->W, xb, y->proj, y->w_fb, y->w_o, y->tails_in,
                                    y->state_in, y->rows_in, y->tails_out, y->state_out, y->rows_out, y->conv_w,
@@ -818,7 +820,6 @@ int openk3_decode_stack(int is_bf16, int64_t N, int64_t D, int64_t L, const open
         if (rc) break;
         for (int64_t i = 0; i < N * D; i++) /* P = a at a block start, else rnd(P + a) */
             store_any(is_bf16, P, i, y->block_start ? load_any(is_bf16, ab, i) : load_any(is_bf16, P, i) + load_any(is_bf16, ab, i));
-        for (int64_t s = 0; s < nbank; s++) src[s] = bank + row * (size_t)s;
         src[nbank] = P;
         rc = openk3_mix_norm(is_bf16, N, D, nbank + 1, src, y->mix_w[1], y->query[1], (float)y->mix_eps[1],
                              y->norm_w[1], (float)y->norm_eps[1], xb);
@@ -841,7 +842,6 @@ int openk3_decode_stack(int is_bf16, int64_t N, int64_t D, int64_t L, const open
         for (int64_t i = 0; i < N * D; i++) store_any(is_bf16, P, i, load_any(is_bf16, P, i) + load_any(is_bf16, ab, i));
     }
     if (!rc) {
-        for (int64_t s = 0; s < nbank; s++) src[s] = bank + row * (size_t)s;
         src[nbank] = P;
         rc = openk3_mix_norm(is_bf16, N, D, nbank + 1, src, out_site[0], out_site[1], (float)out_eps[0], out_site[2],
                              (float)out_eps[1], out);

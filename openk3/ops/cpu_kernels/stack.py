@@ -59,7 +59,7 @@ class DecodeStack:
         self.dtype, self.D = out_site.dtype, out_site.D
         self.args = (LayerArgs * len(layers))()
         self.kda, self.mla, self.moe = [], [], []  # layer indices by kind
-        self.mixers = {}
+        self.mixers = {}  # l -> KDADecode | MLADecode (they own the pointer arrays the structs point into)
         for l, (block_start, (attn, mlp), mixer, ffn) in enumerate(layers):
             a = self.args[l]
             self.mixers[l] = mixer
@@ -93,7 +93,6 @@ class DecodeStack:
                 a.d_w1, a.d_w3, a.d_w2 = w1.data_ptr(), w3.data_ptr(), w2.data_ptr()
         self.out_site = (ctypes.c_void_p * 3)(out_site._args[0], out_site._args[1], out_site._args[3])
         self.out_eps = (ctypes.c_double * 2)(out_site._args[2], out_site._args[4])
-        self._kernels = [entry[2] for entry in layers]  # they own the pointer arrays the structs point into
         self._keep: list = []  # per-step ctypes arrays the structs point into
 
     def applies(self, x_ND: torch.Tensor) -> bool:
@@ -113,13 +112,10 @@ class DecodeStack:
     def set_kda(self, l: int, io) -> None:
         """Layer l's KDA cache rows for this step (a model.cache.KDAInOut)."""
         a = self.args[l]
-        N = len(io.rows_in)
-        arrays = (cpu_kernels._pointers(io.tails_in), cpu_kernels._pointers(io.tails_out),
-                  (ctypes.c_int64 * N)(*io.rows_in), (ctypes.c_int64 * N)(*io.rows_out))  # fmt: skip
-        self._keep.append(arrays)
-        a.tails_in, a.tails_out = ctypes.addressof(arrays[0]), ctypes.addressof(arrays[1])
-        a.rows_in, a.rows_out = ctypes.addressof(arrays[2]), ctypes.addressof(arrays[3])
-        a.state_in, a.state_out = io.state_in.data_ptr(), io.state_out.data_ptr()
+        tails_in, a.state_in, rows_in, tails_out, a.state_out, rows_out = args = cpu_kernels.KDADecode.io_args(io)
+        self._keep.append(args)
+        a.tails_in, a.rows_in = ctypes.addressof(tails_in), ctypes.addressof(rows_in)
+        a.tails_out, a.rows_out = ctypes.addressof(tails_out), ctypes.addressof(rows_out)
 
     def set_mla(self, l: int, pool_RR: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> None:
         a = self.args[l]

@@ -68,11 +68,14 @@ class MLAPageView:
         self.pages, self.written = pages, list(start)
 
     def append(self, latents_TR: torch.Tensor, seq_lens: list[int]) -> None:
+        self.flat_RR.index_copy_(0, self._write_index(seq_lens), latents_TR.to(self.flat_RR.dtype))
+        self.advance(seq_lens)
+
+    def _write_index(self, seq_lens: list[int]) -> torch.Tensor:
+        """[T] the pool rows of the next `seq_lens` positions of each sequence, within its pages."""
         for w, n, cap in zip(self.written, seq_lens, self.pages.capacity, strict=True):
             assert w + n <= cap, "sequence writes past the pages allocated for this step"
-        index_T = self.pages.write_index(tuple(self.written), tuple(seq_lens))
-        self.flat_RR.index_copy_(0, index_T, latents_TR.to(self.flat_RR.dtype))
-        self.advance(seq_lens)
+        return self.pages.write_index(tuple(self.written), tuple(seq_lens))
 
     def pool_rows(self) -> torch.Tensor:
         """The layer's page pool as rows [NB * B, R] (model/decode_stack.py appends and reads there in C)."""
@@ -81,10 +84,8 @@ class MLAPageView:
     def decode_rows(self, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For a step that appends and reads in one kernel call: the pool rows its new latents go to [T], then the
         rows each sequence reads [N, S_max] (as `block()` gathers them) and its lengths [N]. `advance` after."""
-        for w, n, cap in zip(self.written, seq_lens, self.pages.capacity, strict=True):
-            assert w + n <= cap, "sequence writes past the pages allocated for this step"
         lens = tuple(w + n for w, n in zip(self.written, seq_lens))
-        return self.pages.write_index(tuple(self.written), tuple(seq_lens)), self.pages.read_index(lens), self.pages.lengths(lens)
+        return self._write_index(seq_lens), self.pages.read_index(lens), self.pages.lengths(lens)
 
     def advance(self, seq_lens: list[int]) -> None:
         """The bookkeeping of `append` after the latents were written through `decode_rows`."""

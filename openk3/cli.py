@@ -35,6 +35,8 @@ from openk3.data.jinja_sandbox import DEFAULT_TIMEOUT_S
 from openk3.data.tokenizer import load_tokenizer
 from openk3.model.model import K3ForCausalLM
 from openk3.rl.config import RLConfig
+from openk3.rl.distill_config import CONFIG_FILE as DISTILL_CONFIG_FILE
+from openk3.rl.distill_config import DistillConfig
 from openk3.serve.config import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -392,6 +394,18 @@ def cmd_rl(args) -> int:
         return 2
 
 
+def cmd_distill(args) -> int:
+    from openk3.rl.distill import run
+
+    try:
+        cfg = config_from_args(args, DistillConfig, DISTILL_CONFIG_FILE, "k3 distill")
+        run(cfg)
+    except (ValueError, FileExistsError, FileNotFoundError) as err:
+        print(f"k3 distill: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_plot(args) -> int:
     from openk3.train.plot import plot_comparison, plot_run
 
@@ -458,7 +472,7 @@ def cmd_plan(args) -> int:
 
 
 # The benchmarks live in the checkout beside the package (benchmarks/NAME.py), not in the installed package.
-BENCHMARKS = ("kda", "serve", "ep", "sandbox", "rl", "vision", "cpu")
+BENCHMARKS = ("kda", "serve", "ep", "sandbox", "rl", "distill", "vision", "cpu")
 BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
@@ -713,6 +727,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_arguments(p, RLConfig)
     p.add_argument("--nproc", type=int, default=1, help="processes on this machine (launches torchrun)")
     p.set_defaults(func=cmd_rl)
+
+    p = sub.add_parser("distill", help="multi-teacher on-policy distillation: the student samples, each token scored "
+                       "by the teacher of its domain and effort (K3 Eq. 15); baselines rl, topk, offpolicy")  # fmt: skip
+    add_train_arguments(p, DistillConfig)
+    p.set_defaults(func=cmd_distill)
 
     p = sub.add_parser("plot", help="PNG plots of a run (loss, MaxVio, expert load; a k3 rl run: reward, success, "
                        "log-prob gap)")  # fmt: skip

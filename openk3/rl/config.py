@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 from openk3.config import TEXT_PRESETS
 from openk3.train.config import flag
@@ -23,6 +24,8 @@ FRESH_COPY_STEPS = 400  # the copy phase change came at 200-280 steps in our run
 
 @dataclass
 class RLConfig:
+    CONFIG_FILE: ClassVar[str] = "rl_config.json"  # where `save` writes the run's settings (read on --resume)
+
     task: str = flag("calculator,files", "task families, comma-separated: calculator, files, code-fix")
     out: str = flag("runs/rl", "run folder: checkpoints, metrics.jsonl, rl_config.json", required=True)
     steps: int = flag(100, "RL steps (rollout -> update -> publish)")
@@ -121,7 +124,7 @@ class RLConfig:
 
     def save(self, run_dir: str) -> None:
         os.makedirs(run_dir, exist_ok=True)
-        tmp = os.path.join(run_dir, ".rl_config.json.tmp")
+        tmp = os.path.join(run_dir, f".{self.CONFIG_FILE}.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(self.to_json())
-        os.replace(tmp, os.path.join(run_dir, "rl_config.json"))
+        os.replace(tmp, os.path.join(run_dir, self.CONFIG_FILE))

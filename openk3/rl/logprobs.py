@@ -36,6 +36,40 @@ def sequence_logprobs(
     token's, if recorded) are not used. Replay is all or nothing: every entry given, or `routed_experts` None (or
     all entries None) for natural routing; a mix raises ValueError.
     """
+    logp_TV, targets_T, keep, fed = _packed_log_softmax(model, sequences, routed_experts, temperature)
+    device = next(model.parameters()).device
+    if logp_TV is None:
+        return [torch.zeros(0, device=device) for _ in sequences]
+    logp_T = logp_TV.gather(-1, targets_T[:, None]).squeeze(-1)
+    out = [logp_T.new_zeros(0) for _ in sequences]
+    for i, logp_n in zip(keep, logp_T.split([fed[i] for i in keep])):
+        out[i] = logp_n
+    return out
+
+
+def sequence_log_softmax(
+    model: nn.Module,
+    sequences: list[list[int]],
+    routed_experts: list[torch.Tensor | None] | None = None,
+    *,
+    temperature: float = 1.0,
+) -> list[torch.Tensor]:
+    """Per sequence i, the whole next-token distribution `out[i][t] = log softmax(logits[t] / temperature)`, fp32
+    [n - 1, V], for t in 0..n-2 (the same forward as `sequence_logprobs`; distribution-level losses such as a top-k
+    distillation target need every row, not only the sampled token's entry)."""
+    logp_TV, _, keep, fed = _packed_log_softmax(model, sequences, routed_experts, temperature)
+    device = next(model.parameters()).device
+    vocab = model.config.text_config.vocab_size if logp_TV is None else logp_TV.shape[-1]
+    out = [torch.zeros(0, vocab, device=device) for _ in sequences]
+    if logp_TV is not None:
+        for i, rows in zip(keep, logp_TV.split([fed[i] for i in keep])):
+            out[i] = rows
+    return out
+
+
+def _packed_log_softmax(model, sequences, routed_experts, temperature):
+    """(logp_TV, targets_T, kept sequence indices, fed positions per sequence): one packed forward; logp_TV is None
+    when no sequence feeds a position."""
     if not sequences or min(len(s) for s in sequences) < 1:
         raise ValueError(f"sequence_logprobs needs non-empty sequences, got lengths {[len(s) for s in sequences]}")
     if temperature <= 0:
@@ -45,19 +79,17 @@ def sequence_logprobs(
     routes_TMk = None if routed_experts is None else packed_routes(routed_experts, fed, device)
     keep = [i for i, n in enumerate(fed) if n > 0]  # a one-token sequence feeds nothing
     if not keep:
-        return [torch.zeros(0, device=device) for _ in sequences]
+        return None, None, keep, fed
     inputs_T = torch.tensor([tok for i in keep for tok in sequences[i][:-1]], dtype=torch.long, device=device)
     targets_T = torch.tensor([tok for i in keep for tok in sequences[i][1:]], dtype=torch.long, device=device)
     batch = ForwardBatch.from_lengths(inputs_T, [fed[i] for i in keep], routed_experts=routes_TMk)
     logp_TV = torch.log_softmax(model.forward_batch(batch).float() / temperature, dim=-1)
-    logp_T = logp_TV.gather(-1, targets_T[:, None]).squeeze(-1)
-    out = [logp_T.new_zeros(0) for _ in sequences]
-    for i, logp_n in zip(keep, logp_T.split([fed[i] for i in keep])):
-        out[i] = logp_n
-    return out
+    return logp_TV, targets_T, keep, fed
 
 
-def packed_routes(routed_experts: list[torch.Tensor | None], fed: list[int], device: torch.device) -> torch.Tensor | None:
+def packed_routes(
+    routed_experts: list[torch.Tensor | None], fed: list[int], device: torch.device
+) -> torch.Tensor | None:
     """Each sequence's routes cut to its `fed` positions and packed: [T, M, k] int64, or None when every entry is
     None."""
     if len(routed_experts) != len(fed):

@@ -66,6 +66,8 @@ def engine_config(cfg: RLConfig, max_seqs: int) -> ServeConfig:
 
 
 class RLTrainer:
+    command = "k3 rl"  # how log lines name the run
+
     def __init__(self, cfg: RLConfig, log=print, sync: Sync | None = None, fleet=None):
         self.cfg, self.sync = cfg, sync or Sync.single()
         self.log = log if self.sync.is_main else (lambda *a, **k: None)
@@ -79,7 +81,7 @@ class RLTrainer:
             self.tokenizer = load_tokenizer(folder, self.model.text_config)
             require_markers(self.tokenizer)
         else:
-            self.model, self.tokenizer = fresh_policy(cfg.preset, cfg.families, cfg.seed)
+            self.model, self.tokenizer = self._fresh_policy()
         self.model.train()
         self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
         # The router biases stay as they are during RL (no balancing); the Balancer only carries the checkpoint
@@ -162,7 +164,7 @@ class RLTrainer:
                                          lambda: self.demos.batch(cfg.sft_batch_size), optimizer, lambda f: 1 - 0.9 * f)  # fmt: skip
         release_freed_memory()
         self._publish(force=True)
-        self.log(f"k3 rl: warm start: {cfg.copy_steps} copy + {cfg.sft_steps} SFT steps in "
+        self.log(f"{self.command}: warm start: {cfg.copy_steps} copy + {cfg.sft_steps} SFT steps in "
                  f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
 
     def _supervised(self, phase: str, done: int, total: int, batch, optimizer, schedule) -> int:
@@ -257,15 +259,12 @@ class RLTrainer:
         trajs = [t for t in trajs if t.num_generated and t.routed_experts is not None]
         if not trajs:
             return {"loss": 0.0, "trained_sequences": 0}
-        rewards_S = torch.tensor([t.reward for t in trajs])
-        groups_S = torch.tensor([t.group for t in trajs])
-        adv_S = group_advantages(rewards_S, groups_S, normalize_std=cfg.normalize_std)
         # Per token t >= 1 of each sequence (logps[i][t-1] scores token t).
         mask_T = torch.tensor([g for t in trajs for g in t.generated[1:]], dtype=torch.bool)
         rollout_T = torch.tensor([lp for t in trajs for lp in t.logprobs[1:]], dtype=torch.float32)
         version_T = torch.tensor([v for t in trajs for v in t.versions[1:]])
         seq_T = torch.cat([torch.full((len(t.tokens) - 1,), i) for i, t in enumerate(trajs)])
-        adv_T = adv_S[seq_T]
+        adv_T, adv_metrics = self.token_advantages(trajs, seq_T, mask_T)
         normalizers = (int(mask_T.sum()), sum(any(t.generated[1:]) for t in trajs))
         offsets = [0]  # trajectory i's tokens are [offsets[i], offsets[i + 1]) of the packed tensors
         for t in trajs:
@@ -312,7 +311,20 @@ class RLTrainer:
                 "logprob_gap": gaps[ours], "logprob_gap_replay": gaps["replay"], "logprob_gap_natural": gaps["natural"],
                 "logprob_gap_max": float((old_T - rollout_T)[current].abs().max()) if current.any() else 0.0,
                 "staleness": float(staleness.mean()) if staleness.numel() else 0.0,
-                "advantage_abs_mean": float(adv_S.abs().mean())}  # fmt: skip
+                "advantage_abs_mean": float(adv_T[mask_T].abs().mean()) if mask_T.any() else 0.0,
+                **adv_metrics}  # fmt: skip
+
+    def token_advantages(self, trajs: list[Trajectory], seq_T: torch.Tensor, mask_T: torch.Tensor):
+        """(advantage per packed token, metrics): GRPO's group advantage of each trajectory's reward, on all its
+        tokens (the loss reads the mask tokens only). Distillation adds its per-token rewards here (rl/distill.py)."""
+        rewards_S = torch.tensor([t.reward for t in trajs])
+        groups_S = torch.tensor([t.group for t in trajs])
+        adv_S = group_advantages(rewards_S, groups_S, normalize_std=self.cfg.normalize_std)
+        return adv_S[seq_T], {}
+
+    def _fresh_policy(self):
+        """(model, tokenizer) of a run without --init: a fresh `preset` model and a tokenizer trained for the tasks."""
+        return fresh_policy(self.cfg.preset, self.cfg.families, self.cfg.seed)
 
     def _publish(self, force: bool = False) -> None:
         """Copy the trainer's weights into the engine(s) when they would fall too far behind."""
@@ -370,7 +382,7 @@ class RLTrainer:
                 f.write(json.dumps(row) + "\n")
             if "eval_success" in row:
                 shown = ", ".join(f"{k} {v:.0%}" for k, v in row["eval_success"].items())
-                self.log(f"k3 rl: step {row.get('step', 0)}: held-out success {shown}")
+                self.log(f"{self.command}: step {row.get('step', 0)}: held-out success {shown}")
         return row
 
     def save(self) -> str | None:
@@ -380,9 +392,17 @@ class RLTrainer:
             return None
         state = {"version": self.version, "sft_done": self.sft_done, "copy_done": self.copy_done,
                  "task_counter": self.task_counter, "demos": self.demos.state_dict(),
-                 "copies": self.copies.state_dict(), "nonfinite_total": 0, "tokens_seen": 0}  # fmt: skip
+                 "copies": self.copies.state_dict(), "nonfinite_total": 0, "tokens_seen": 0,
+                 **self._extra_state()}  # fmt: skip
         return save_checkpoint(self.cfg.out, self.step, self.model, self.optimizer, self.balancer.state_dict(), state,
                                tokenizer=self.tokenizer, keep=self.cfg.keep_checkpoints, layout=Layout.single())  # fmt: skip
+
+    def _extra_state(self) -> dict:
+        """More loop state for the checkpoint (a subclass's); JSON-able."""
+        return {}
+
+    def _load_extra_state(self, state: dict) -> None:
+        pass
 
     def _checkpoint_to_resume(self) -> str | None:
         cfg = self.cfg
@@ -394,7 +414,7 @@ class RLTrainer:
             return None
         ckpt = latest_checkpoint(cfg.out)
         if ckpt is None:
-            self.log(f"k3 rl: {cfg.out} has no complete checkpoint; starting from step 0")
+            self.log(f"{self.command}: {cfg.out} has no complete checkpoint; starting from step 0")
             _truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), -1)
         return ckpt
 
@@ -406,8 +426,9 @@ class RLTrainer:
         self.copy_done = state.get("copy_done", 0)  # runs saved before the copy phase existed have none
         if "copies" in state:
             self.copies.load_state_dict(state["copies"])
+        self._load_extra_state(state)
         _truncate_metrics(os.path.join(self.cfg.out, "metrics.jsonl"), self.step)
-        self.log(f"k3 rl: resumed {self.cfg.out} at step {self.step} from {ckpt}")
+        self.log(f"{self.command}: resumed {self.cfg.out} at step {self.step} from {ckpt}")
 
 
 def _task_index(seed: int, group: int) -> int:

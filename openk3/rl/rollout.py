@@ -36,7 +36,7 @@ import torch
 
 from openk3.data.xtml_parse import parse_xtml
 from openk3.rl.env import Budgets, ToolEnv
-from openk3.rl.envs import Task
+from openk3.rl.envs import Task, initial_messages
 from openk3.rl.transcript import observation_ids, prompt_ids
 from openk3.serve.engine import LLMEngine
 from openk3.serve.request import SamplingParams
@@ -64,6 +64,10 @@ class Trajectory:
     prefill_tokens: int = 0  # tokens the engine computed for prompts (not restored from the prefix cache)
     prompt_tokens: int = 0  # prompt tokens submitted over all requests (what a cache-less engine computes)
     env: ToolEnv | None = field(default=None, repr=False)
+    thinking: bool = False  # the episode is rendered with the think channel (transcript.py)
+    effort: str | None = None  # its thinking-effort tag (distillation), rendered in the prompt
+    prompt_len: int = 0  # tokens of the first prompt: everything after it is the episode's own
+    requests: int = 0  # engine requests made for it so far (its sampling seeds count them)
 
     @property
     def num_generated(self) -> int:
@@ -111,16 +115,20 @@ class RolloutWorker:
         self.max_tokens_per_turn = max_tokens_per_turn
         self.snapshots = snapshots
         self.seed = seed
-        self._requests = 0
+        self.requests = 0  # requests submitted (their ids)
 
     # ---- episodes ----------------------------------------------------------------------------------------------
-    def start(self, task: Task, group: int = 0, sample: int = 0) -> Trajectory:
-        """A new episode: its environment reset (a sandbox forked from the task's snapshot), its prompt rendered."""
+    def start(self, task: Task, group: int = 0, sample: int = 0, *, thinking: bool = False,
+              effort: str | None = None) -> Trajectory:  # fmt: skip
+        """A new episode: its environment reset (a sandbox forked from the task's snapshot), its prompt rendered
+        (with the think channel when `thinking`, and the thinking-effort message when `effort` is given)."""
+        thinking = thinking or effort is not None
+        ids = prompt_ids(initial_messages(task), task.tools, self.tokenizer, thinking=thinking, effort=effort)
         env = ToolEnv(self.fleet, self.budgets, self.snapshots)
-        messages = env.reset(task)
-        traj = Trajectory(task, group, sample, env=env)
-        traj.append(prompt_ids(messages, task.tools, self.tokenizer), generated=False)
-        traj.turn_start = len(traj.tokens)
+        env.reset(task)
+        traj = Trajectory(task, group, sample, env=env, thinking=thinking, effort=effort)
+        traj.append(ids, generated=False)
+        traj.turn_start = traj.prompt_len = len(traj.tokens)
         return traj
 
     def run(self, trajs: list[Trajectory], version: int, finish_fraction: float = 1.0, *, temperature: float = 1.0,
@@ -204,9 +212,12 @@ class RolloutWorker:
         if max_tokens < 1:
             self._finish(traj, 0.0, "max_tokens" if budget < 1 else "max_context")
             return
-        self._requests += 1
-        rid = f"rl-{self._requests}"
-        key = f"{self.seed}/{traj.task.task_id}/{traj.group}/{traj.sample}/{self._requests}".encode()
+        self.requests += 1
+        traj.requests += 1
+        rid = f"rl-{self.requests}"
+        # The seed is the trajectory's own (task, group, sample, request number): what it samples does not depend on
+        # which other episodes, evaluations or resumes the worker served before.
+        key = f"{self.seed}/{traj.task.task_id}/{traj.group}/{traj.sample}/{traj.requests}".encode()
         seed = zlib.crc32(key)  # not hash(): string hashes change with every interpreter
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=0, seed=seed)
         self.engine.add_request({"prompt_token_ids": list(traj.tokens)}, params, request_id=rid)
@@ -232,7 +243,8 @@ class RolloutWorker:
         turn = traj.tokens[traj.turn_start :]
         counter = traj.tool_calls
         # No `tools=`: a call to an undeclared tool reaches the environment, which answers it by name.
-        parsed = parse_xtml(turn, self.tokenizer, start="response", tool_call_id=lambda i: f"call_{counter + i}")
+        start = "think" if traj.thinking else "response"
+        parsed = parse_xtml(turn, self.tokenizer, start=start, tool_call_id=lambda i: f"call_{counter + i}")
         message = parsed.message()
         if parsed.problems:
             message["problems"] = list(parsed.problems)
@@ -246,7 +258,8 @@ class RolloutWorker:
             self._finish(traj, result.reward, result.info.get("reason", "answer"))
             return
         message.pop("problems", None)
-        traj.append(observation_ids(message, result.observation, self.tokenizer), generated=False)
+        traj.append(observation_ids(message, result.observation, self.tokenizer, thinking=traj.thinking),
+                    generated=False)  # fmt: skip
         traj.turn_start = len(traj.tokens)
 
     def _finish(self, traj: Trajectory, reward: float, reason: str) -> None:
@@ -260,4 +273,3 @@ class RolloutWorker:
         if traj.env is not None:
             traj.env.close()
             traj.env = None
-

@@ -28,18 +28,22 @@ def _call(i: int, code: str) -> dict:
     return {"id": f"call_{i}", "type": "function", "function": {"name": "python", "arguments": json.dumps({"code": code})}}
 
 
-def test_episode_stream_equals_the_whole_rendering(tokenizer):
+@pytest.mark.parametrize("thinking, effort", [(False, None), (True, None), (True, "low"), (True, "max")])
+def test_episode_stream_equals_the_whole_rendering(tokenizer, thinking, effort):
     initial = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 12 * 34 + 5?"}]
     turns = [
-        {"role": "assistant", "content": "", "tool_calls": [_call(0, "print(12 * 34)"), _call(1, "print(5)")]},
+        {"role": "assistant", "content": "", "reasoning_content": "two products first",
+         "tool_calls": [_call(0, "print(12 * 34)"), _call(1, "print(5)")]},
         {"role": "tool", "tool_call_id": "call_0", "name": "python", "content": "408"},
         {"role": "tool", "tool_call_id": "call_1", "name": "python", "content": "5"},
         {"role": "assistant", "content": "", "tool_calls": [_call(2, "print(408 + 5)")]},
         {"role": "tool", "tool_call_id": "call_2", "name": "python", "content": "413"},
         {"role": "assistant", "content": "413"},
     ]
-    ids, mask = episode_ids(initial, turns, TOOLS, tokenizer)
-    whole = encode_xtml(render_xtml(initial + turns, TOOLS, add_generation_prompt=False, thinking=False), tokenizer)
+    kw = {"thinking": thinking}
+    ids, mask = episode_ids(initial, turns, TOOLS, tokenizer, effort=effort, **kw)
+    whole = encode_xtml(render_xtml(initial + turns, TOOLS, add_generation_prompt=False, thinking_effort=effort, **kw),
+                        tokenizer)  # fmt: skip
     assert ids == whole
     # The loss mask covers exactly the three generated pieces, each ending with <|end_of_msg|>.
     eom = tokenizer.special_ids["<|end_of_msg|>"]
@@ -52,9 +56,18 @@ def test_episode_stream_equals_the_whole_rendering(tokenizer):
         prev = m
     assert len(runs) == 3
     assert all(ids[end] == eom for _, end in runs)
-    assert ids[: runs[0][0]] == prompt_ids(initial, TOOLS, tokenizer)
-    assert ids[runs[0][0] : runs[0][1] + 1] == assistant_ids(turns[0], tokenizer)
-    assert ids[runs[0][1] + 1 : runs[1][0]] == observation_ids(turns[0], turns[1:3], tokenizer)
+    assert ids[: runs[0][0]] == prompt_ids(initial, TOOLS, tokenizer, effort=effort, **kw)
+    assert ids[runs[0][0] : runs[0][1] + 1] == assistant_ids(turns[0], tokenizer, **kw)
+    assert ids[runs[0][1] + 1 : runs[1][0]] == observation_ids(turns[0], turns[1:3], tokenizer, **kw)
+    # The reasoning is in the stream exactly when thinking is on; the effort message exactly when one is given.
+    text = tokenizer.decode(ids)
+    assert ("two products first" in text) == thinking
+    assert ("thinking_effort=" in text) == (effort is not None)
+
+
+def test_an_effort_without_thinking_is_refused(tokenizer):
+    with pytest.raises(ValueError, match="thinking=True"):
+        prompt_ids([{"role": "user", "content": "hi"}], TOOLS, tokenizer, effort="low")
 
 
 def test_tool_results_out_of_order_render_in_call_order(tokenizer):

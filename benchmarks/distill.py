@@ -1,0 +1,274 @@
+"""The distillation benchmark and worked recipe (issue 15 targets), one run on this machine, written to
+benchmarks/results/distill-cpu.{json,md}:
+
+1. the recipe (`openk3/rl/distill_recipe.py`): a recipe tokenizer; a fresh tiny policy with copy pre-training and SFT
+   on a mixture of every domain with tool-free guesses (the cold start: the student's init, and b0's model); four
+   teachers, each the cold start trained further by SFT on its own domain and effort: calculator, code-fix,
+   files:low, files:max (effort = how much the think channel says);
+2. each teacher's held-out success and response length in its own context (greedy, the same test tasks);
+3. `k3 distill` from the cold start with each method at equal gradient steps: opd (Eq. 15), rl (task reward only),
+   topk (forward KL to the teacher's top-k), offpolicy (SFT on teacher samples); held-out success and length per
+   key every `--eval-every` steps;
+4. targets: `student_over_teacher` per key (the opd student's final success / the teacher's); the steps opd needs
+   to reach RL's final score vs the steps RL needed; at low effort the student's length vs at max, and the success
+   gap.
+
+Every stage's output stays in `--work` (checkpoints, run folders); a rerun skips what is done and resumes a run cut
+short, so the benchmark can be continued after an interruption.
+
+    python benchmarks/distill.py (or k3 bench distill) [--copy-steps 400] [--cold-steps 120] [--teacher-steps 100]
+        [--steps 30] [--methods opd,rl,topk,offpolicy] [--work runs/bench-distill]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import machine_info, targets_table, write_report
+
+from openk3.config import K3Config
+from openk3.data.tokenizer import load_tokenizer
+from openk3.rl.distill import DistillTrainer
+from openk3.rl.distill_config import METHODS, DistillConfig
+from openk3.rl.distill_recipe import (
+    RecipeStream,
+    copy_pretrain,
+    evaluate_policy,
+    recipe_tokenizer,
+    save_policy,
+    supervised,
+)
+from openk3.rl.teachers import TeacherKey, parse_teachers
+from openk3.train.checkpoint import build_model, load_model
+
+KEYS = "calculator,code-fix,files:low,files:max"
+
+
+def _keys(text: str) -> list[TeacherKey]:
+    return sorted(parse_teachers(",".join(f"{k}=-" for k in text.split(","))))
+
+
+def _bar(desc: str, total: int):
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, leave=False, disable=None)
+
+    def tick(i: int, loss: float) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+        if bar.disable and (i % 10 == 0 or i == total):  # no terminal: a line every 10 steps for the log
+            print(f"{desc}: step {i}/{total}, loss {loss:.3f}", flush=True)
+
+    return bar, tick
+
+
+def build_recipe(args, keys: list[TeacherKey], times: dict) -> dict[TeacherKey, str]:
+    """The cold start and the teachers, each saved once under --work; returns {key: teacher folder}."""
+    cold = os.path.join(args.work, "cold")
+    config = K3Config.preset("tiny")
+    if not os.path.exists(os.path.join(cold, "config.json")):
+        t0 = time.perf_counter()
+        tokenizer = recipe_tokenizer(keys, config.text_config, args.seed)
+        model = build_model(config)
+        model.init_weights(torch.Generator().manual_seed(args.seed))
+        bar, tick = _bar("copy", args.copy_steps)
+        copy_pretrain(model, tokenizer, keys, args.copy_steps, args.seed, progress=tick)
+        bar.close()
+        stream = RecipeStream(keys, tokenizer, args.seed, student=True, guess_share=args.guess_share)
+        bar, tick = _bar("cold start", args.cold_steps)
+        supervised(model, lambda: stream.batch(args.batch), args.cold_steps, args.sft_lr, progress=tick)
+        bar.close()
+        save_policy(model, tokenizer, cold)
+        times["cold_start_s"] = time.perf_counter() - t0
+        print(f"cold start: {times['cold_start_s']:.0f} s", flush=True)
+    teachers = {}
+    for key in keys:
+        path = os.path.join(args.work, f"teacher-{str(key).replace(':', '-')}")
+        teachers[key] = path
+        if os.path.exists(os.path.join(path, "config.json")):
+            continue
+        t0 = time.perf_counter()
+        model, folder = load_model(cold, dtype=torch.float32)
+        tokenizer = load_tokenizer(folder, model.text_config)
+        stream = RecipeStream([key], tokenizer, args.seed + 1, student=False)
+        bar, tick = _bar(f"teacher {key}", args.teacher_steps)
+        supervised(model, lambda s=stream: s.batch(args.batch), args.teacher_steps, args.sft_lr / 2, progress=tick)
+        bar.close()
+        save_policy(model, tokenizer, path)
+        times[f"teacher_{key}_s"] = time.perf_counter() - t0
+        print(f"teacher {key}: {times[f'teacher_{key}_s']:.0f} s", flush=True)
+    return teachers
+
+
+def run_method(args, method: str, teachers: dict[TeacherKey, str]) -> list[dict]:
+    """`k3 distill --method METHOD` from the cold start (resumed if cut short); its metrics rows."""
+    out = os.path.join(args.work, f"run-{method}")
+    metrics = os.path.join(out, "metrics.jsonl")
+    rows = _rows(metrics)
+    if rows and rows[-1].get("step") == args.steps and "eval_success" in rows[-1]:
+        return rows
+    cfg = DistillConfig(teachers=",".join(f"{k}={p}" for k, p in sorted(teachers.items())), out=out,
+                        init=os.path.join(args.work, "cold"), steps=args.steps, method=method, seed=args.seed,
+                        lr=args.lr, groups_per_step=args.groups, group_size=args.group_size, max_turns=4,
+                        max_tokens=256, max_tokens_per_turn=128, eval_tasks=args.eval_tasks,
+                        eval_every=args.eval_every, save_every=5, resume=os.path.exists(metrics),
+                        tau_anneal_steps=args.tau_anneal_steps)  # fmt: skip
+    t0 = time.perf_counter()
+    trainer = DistillTrainer(cfg, log=lambda *a, **k: print(f"[{method}]", *a, flush=True))
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
+    print(f"{method}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return _rows(metrics)
+
+
+def _rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _load(path: str):
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _score(row: dict) -> float:
+    """The mean held-out success over the keys."""
+    return sum(row["eval_success"].values()) / len(row["eval_success"])
+
+
+def steps_to(curve: list[tuple[int, float]], score: float) -> int | None:
+    """The first evaluated step whose score is at least `score` (None: never)."""
+    return next((step for step, s in curve if s >= score - 1e-9), None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", default="runs/bench-distill", help="checkpoints and run folders (reused when present)")
+    p.add_argument("--keys", default=KEYS, help="the teachers' keys, domain[:effort],...")
+    p.add_argument("--copy-steps", type=int, default=400)
+    p.add_argument("--cold-steps", type=int, default=120, help="SFT steps of the cold start on the mixture")
+    p.add_argument("--teacher-steps", type=int, default=100, help="SFT steps of each teacher on its own data")
+    p.add_argument("--guess-share", type=float, default=0.5, help="tool-free guesses in the cold start's SFT")
+    p.add_argument("--batch", type=int, default=12, help="demonstrations per SFT step")
+    p.add_argument("--sft-lr", type=float, default=2e-3)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--steps", type=int, default=30, help="gradient steps of every method")
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--groups", type=int, default=4, help="tasks per step (round-robin over the keys)")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--eval-tasks", type=int, default=24, help="held-out tasks per key")
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--tau-anneal-steps", type=int, default=15)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="benchmarks/results/distill-cpu")
+    args = p.parse_args(argv)
+    machine = machine_info()
+    keys = _keys(args.keys)
+    os.makedirs(args.work, exist_ok=True)
+    times_file = os.path.join(args.work, "times.json")
+    times = _load(times_file) or {}
+    teachers = build_recipe(args, keys, times)
+    with open(times_file, "w") as f:
+        json.dump(times, f, indent=1)
+
+    teacher_eval_file = os.path.join(args.work, "teacher_eval.json")
+    teacher_eval = _load(teacher_eval_file)
+    if teacher_eval is None:
+        from openk3.sandbox.fleet import Fleet
+
+        teacher_eval = {}
+        with Fleet(max_sandboxes=args.eval_tasks + 8, warm=2, memory_mb=256) as fleet:
+            for key, path in sorted(teachers.items()):
+                model, folder = load_model(path, dtype=torch.float32)
+                teacher_eval.update(evaluate_policy(model.eval(), load_tokenizer(folder, model.text_config), [key],
+                                                    args.eval_tasks, fleet, tagged=False))  # fmt: skip
+                print(f"teacher {key}: {teacher_eval[str(key)]}", flush=True)
+        with open(teacher_eval_file, "w") as f:
+            json.dump(teacher_eval, f, indent=1)
+
+    runs = {}
+    for method in args.methods.split(","):
+        t0 = time.perf_counter()
+        runs[method] = run_method(args, method, teachers)
+        times.setdefault(f"run_{method}_s", time.perf_counter() - t0)
+    with open(times_file, "w") as f:
+        json.dump(times, f, indent=1)
+
+    curves = {m: [(r["step"], _score(r)) for r in rows if "eval_success" in r] for m, rows in runs.items()}
+    finals = {m: [r for r in rows if "eval_success" in r][-1] for m, rows in runs.items()}
+    start = next(r for r in runs[next(iter(runs))] if "eval_success" in r)
+    result: dict = {"machine": machine, "args": vars(args), "times_s": times, "teachers": teacher_eval,
+                    "student_start": {"eval_success": start["eval_success"], "eval_length": start["eval_length"]},
+                    "final": {m: {"eval_success": r["eval_success"], "eval_length": r["eval_length"],
+                                  "score": _score(r)} for m, r in finals.items()},
+                    "curves": curves}  # fmt: skip
+    targets = []
+    if "opd" in finals:
+        final = finals["opd"]
+        ratio = {k: (final["eval_success"][k] / v["success"] if v["success"] > 0 else None)
+                 for k, v in teacher_eval.items()}  # fmt: skip
+        result["student_over_teacher"] = ratio
+        shown = ", ".join(f"{k} {final['eval_success'][k]:.0%}/{teacher_eval[k]['success']:.0%}" for k in ratio)
+        targets.append({"target": "opd student >= 95% of each teacher's held-out success (student/teacher)",
+                        "measured": shown, "met": all(r is not None and r >= 0.95 for r in ratio.values())})  # fmt: skip
+    if "opd" in curves and "rl" in curves:
+        rl_final = curves["rl"][-1][1]
+        n_rl, n_opd = steps_to(curves["rl"], rl_final), steps_to(curves["opd"], rl_final)
+        step_ratio = None if n_opd is None or not n_rl else n_opd / n_rl
+        result["steps_to_rl_final"] = {"rl_final_score": rl_final, "rl_steps": n_rl, "opd_steps": n_opd,
+                                       "ratio": step_ratio}  # fmt: skip
+        equal = ", ".join(f"{m} {finals[m]['eval_success'] and _score(finals[m]):.0%}" for m in finals)
+        targets.append({"target": "opd reaches RL's final score in <= 1/3 of RL's steps; methods at equal steps",
+                        "measured": f"RL final {rl_final:.0%} at step {n_rl}; opd reached it at step {n_opd} "
+                                    f"(ratio {step_ratio if step_ratio is None else f'{step_ratio:.2f}'}); "
+                                    f"mean success at step {args.steps}: {equal}",
+                        "met": step_ratio is not None and step_ratio <= 1 / 3})  # fmt: skip
+    efforts = sorted({k.effort for k in keys if k.effort}, key=["low", "high", "max"].index)
+    if "opd" in finals and len(efforts) >= 2:
+        domain = next(k.domain for k in keys if k.effort)
+        lo, hi = f"{domain}:{efforts[0]}", f"{domain}:{efforts[-1]}"
+        final = finals["opd"]
+        length_ratio = final["eval_length"][lo] / max(final["eval_length"][hi], 1e-9)
+        gap = final["eval_success"][hi] - final["eval_success"][lo]
+        result["effort"] = {"length_ratio": length_ratio, "success_gap": gap, "low": lo, "max": hi}
+        targets.append({"target": f"{lo} length <= 0.6x {hi}, success within 10 points",
+                        "measured": f"{final['eval_length'][lo]:.0f} / {final['eval_length'][hi]:.0f} tokens = "
+                                    f"{length_ratio:.2f}x; success {final['eval_success'][lo]:.0%} vs "
+                                    f"{final['eval_success'][hi]:.0%}",
+                        "met": length_ratio <= 0.6 and gap <= 0.10})  # fmt: skip
+    result["targets"] = targets
+    header = (f"Machine: {machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}; load before: "
+              f"{machine['load_before']}.")  # fmt: skip
+    teachers_title = f"## Teachers (own context, greedy, {args.eval_tasks} test tasks each)"
+    lines = ["# Multi-teacher distillation on CPU (`python benchmarks/distill.py`)", "", header, "",
+             *targets_table(targets, "issue 15"), "", teachers_title, "", "| key | success | length |",
+             "|---|---|---|"]  # fmt: skip
+    lines += [f"| {k} | {v['success']:.0%} | {v['length']:.0f} |" for k, v in sorted(teacher_eval.items())]
+    lines += ["", f"## Student (effort-tagged), held-out success / length after {args.steps} steps", "",
+              "| method | " + " | ".join(sorted(start["eval_success"])) + " | mean |",
+              "|---|" + "---|" * (len(start["eval_success"]) + 1)]  # fmt: skip
+    for name, row in [("cold start", start), *finals.items()]:
+        cells = [f"{row['eval_success'][k]:.0%} / {row['eval_length'][k]:.0f}" for k in sorted(row["eval_success"])]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {_score(row):.0%} |")
+    lines += ["", "## Curves (step: mean held-out success)", ""]
+    lines += [f"- {m}: " + " · ".join(f"{s}: {v:.0%}" for s, v in c) for m, c in curves.items()]
+    lines += ["", "## Times", "", *(f"- {k}: {v:.0f} s" for k, v in sorted(times.items()))]
+    write_report(result, args.out, "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,371 @@
+"""Multi-teacher on-policy distillation (MOPD, K3 report Eq. 15; spec/rl.md §1, §3): `k3 distill`.
+
+K3 trains one RL expert per domain and thinking effort and distils them into one student on-policy: the student
+samples (on the RL loop's engine and environments, multi-turn tool use and partial rollouts included), every sampled
+token y_t of an episode with domain d and effort e is scored by the teacher of (d, e), and
+
+    r_opd(y_t) = clip( sg( log π_teacher^(d,e)(y_t | x, y_<t) − log π_θ(y_t | e, x, y_<t) ), −R_max, R_max )
+
+is a dense per-token reward inside the same RL losses (`losses.policy_loss`). The student's prompt carries the
+effort tag (XTML's thinking-effort message); the teacher, an expert of that effort, sees the episode without it: its
+context is its own prompt followed by the student's tokens verbatim (`teacher_tokens`). Each teacher scores all of its
+tokens of a step in one batched forward, and the student's log-probs for the reward come from a forward batched the
+same way (natural routing both), so a teacher with the student's weights gives a reward of exactly 0.
+
+The per-token advantage of a trajectory's generated tokens is
+
+    A_t = opd_weight * r_opd(y_t) + group_advantage( task_weight * task_reward + budget_weight * budget_reward )
+
+Effort is taught by a budget (K3): b0(x) is the response length (generated tokens of the episode) of the cold-start
+model (`--init`) on task x, greedy, at the highest effort its domain is distilled at, measured once per task; an
+episode at effort e longer than τ_e·b0(x) gets a budget reward of −1, else 0. τ_e anneals linearly from `tau_start`
+to its final value (`tau_final`, e.g. low 0.5, high 0.8, max 1.5) over `tau_anneal_steps` steps.
+
+Baselines in the same command (`--method`): `opd` (above); `rl` (the task and budget rewards only, from the same
+start: the RL the distillation is compared with); `topk` (a distribution target instead of the sampled token: the
+forward KL from the teacher's top-k next-token distribution, renormalised, to the student, on the student's own
+samples); `offpolicy` (SFT on teacher samples: each step the teachers generate the step's episodes in their own
+context and the student is trained by cross-entropy on those tokens behind its own, effort-tagged prompt).
+
+Legend: T packed tokens (positions 0..n-2 of every trajectory, as `logprobs.sequence_logprobs` returns them), V
+vocabulary, S trajectories.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from openk3.config import K3Config
+from openk3.data.tokenizer import load_tokenizer
+from openk3.data.xtml import THINKING_EFFORTS
+from openk3.rl.distill_config import CONFIG_FILE, METHODS, DistillConfig, TauSchedule, parse_tau_final  # noqa: F401
+from openk3.rl.envs import get_family, initial_messages
+from openk3.rl.logprobs import sequence_log_softmax, sequence_logprobs
+from openk3.rl.loop import SUCCESS, RLTrainer, _task_index, engine_config, micro_batches
+from openk3.rl.losses import group_advantages
+from openk3.rl.rollout import RolloutWorker, Trajectory
+from openk3.rl.teachers import TeacherKey, TeacherRegistry
+from openk3.rl.transcript import prompt_ids
+
+
+# ---- the rewards -----------------------------------------------------------------------------------------------
+def opd_reward(teacher_logp_T: torch.Tensor, student_logp_T: torch.Tensor, r_max: float) -> torch.Tensor:
+    """Eq. 15: clip(sg(log π_teacher − log π_student), −r_max, r_max), per token (fp32, no gradient)."""
+    if r_max <= 0:
+        raise ValueError(f"r_max must be positive, got {r_max}")
+    diff_T = teacher_logp_T.detach().float() - student_logp_T.detach().float()
+    return diff_T.clamp(-r_max, r_max)
+
+
+def budget_reward(length: int, b0: float, tau: float) -> float:
+    """−1 for a response longer than τ·b0 tokens, else 0 (K3's effort budget)."""
+    return -1.0 if length > tau * b0 else 0.0
+
+
+# ---- the trainer -----------------------------------------------------------------------------------------------
+class DistillTrainer(RLTrainer):
+    cfg: DistillConfig
+    command = "k3 distill"
+
+    def __init__(self, cfg: DistillConfig, log=print, sync=None, fleet=None):
+        self._specs = cfg.teacher_specs
+        self.keys = sorted(self._specs)
+        super().__init__(cfg, log=log, sync=sync, fleet=fleet)
+        if self.sync.world > 1:
+            raise ValueError("k3 distill runs in one process (its teachers score on rank 0 only)")
+        self.teachers = TeacherRegistry(self._specs, self.tokenizer, self.model.text_config, cfg.residency)
+        self.tau = cfg.tau
+        self.b0: dict[str, int] = getattr(self, "_resume_b0", {})
+        self._cold_worker = None  # the cold-start model's worker, built when a b0 is first needed
+        self._teacher_workers: dict[TeacherKey, RolloutWorker] = {}
+        self.score_s = 0.0  # time spent in teacher forwards (and teacher loads, in turn)
+
+    def _fresh_policy(self):
+        """A fresh `preset` student speaking the teachers' vocabulary (the first teacher's tokenizer)."""
+        from openk3.train.checkpoint import build_model, resolve_checkpoint
+
+        folder = resolve_checkpoint(self._specs[self.keys[0]])
+        config = K3Config.preset(self.cfg.preset)
+        tokenizer = load_tokenizer(folder, config.text_config)
+        model = build_model(config)
+        model.init_weights(torch.Generator().manual_seed(self.cfg.seed))
+        return model, tokenizer
+
+    # ---- tasks -------------------------------------------------------------------------------------------------
+    def key_of(self, traj: Trajectory) -> TeacherKey:
+        return TeacherKey(traj.task.family, traj.effort)
+
+    def _new_trajectories(self) -> list[Trajectory]:
+        """`groups_per_step` tasks, round-robin over the teacher keys, `group_size` samples each, effort-tagged."""
+        cfg, out = self.cfg, []
+        for _ in range(cfg.groups_per_step):
+            group = self.task_counter
+            self.task_counter += 1
+            key = self.keys[group % len(self.keys)]
+            task = get_family(key.domain).generate("train", _task_index(cfg.seed, group))
+            out += [self.worker.start(task, group=group, sample=s, thinking=key.thinking, effort=key.effort)
+                    for s in range(cfg.group_size)]  # fmt: skip
+        if self.cfg.uses_budget:
+            self._measure_b0(out)
+        return out
+
+    # ---- the effort budget -------------------------------------------------------------------------------------
+    def _measure_b0(self, trajs: list[Trajectory]) -> None:
+        """b0(x) for each new effort-tagged task: the cold-start model's greedy episode length at the domain's
+        highest effort."""
+        tasks = {t.task.task_id: t.task for t in trajs if t.effort is not None and t.task.task_id not in self.b0}
+        if not tasks:
+            return
+        worker = self._cold()
+        top = {}
+        for key in self.keys:
+            if key.effort is not None:
+                top[key.domain] = max(top.get(key.domain, key.effort), key.effort, key=THINKING_EFFORTS.index)
+        episodes = [worker.start(task, group=-2, sample=0, effort=top[task.family]) for task in tasks.values()]
+        worker.run(episodes, version=0, temperature=0.0)
+        for traj in episodes:
+            self.b0[traj.task.task_id] = max(traj.num_generated, 1)
+
+    def _cold(self) -> RolloutWorker:
+        if self._cold_worker is None:
+            from openk3.serve.engine import LLMEngine
+            from openk3.train.checkpoint import load_model
+
+            model, _ = load_model(self.cfg.init, dtype=torch.float32)
+            model.eval().requires_grad_(False)
+            engine = LLMEngine(model, self.tokenizer, engine_config(self.cfg, self.cfg.groups_per_step))
+            self._cold_worker = RolloutWorker(engine, self.tokenizer, self.fleet, self.worker.budgets,
+                                              snapshots=self.snapshots, max_tokens_per_turn=self.cfg.max_tokens_per_turn,
+                                              seed=self.cfg.seed)  # fmt: skip
+        return self._cold_worker
+
+    def budget(self, traj: Trajectory, step: int) -> float:
+        if traj.effort is None or traj.task.task_id not in self.b0:
+            return 0.0
+        return budget_reward(traj.num_generated, self.b0[traj.task.task_id], self.tau(traj.effort, step))
+
+    # ---- teacher scoring ---------------------------------------------------------------------------------------
+    def teacher_tokens(self, traj: Trajectory) -> tuple[list[int], int]:
+        """(the teacher's context of `traj`, the shift d: student position j is teacher position j + d): the
+        teacher's own prompt (no effort tag) followed by the student's episode tokens verbatim."""
+        prompt = prompt_ids(initial_messages(traj.task), traj.task.tools, self.tokenizer, thinking=traj.thinking)
+        return prompt + traj.tokens[traj.prompt_len :], len(prompt) - traj.prompt_len
+
+    def opd_rewards(self, trajs: list[Trajectory]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per trajectory, (r_opd [n - 1], teacher log-probs [n - 1]) at the student's positions (0 before the first
+        generated token). One no-grad forward per teacher over all of its trajectories, and one student forward
+        over the same trajectories, both with natural routing."""
+        rewards = [torch.zeros(len(t.tokens) - 1) for t in trajs]
+        teacher_lps = [torch.zeros(len(t.tokens) - 1) for t in trajs]
+        by_key = defaultdict(list)
+        for i, t in enumerate(trajs):
+            by_key[self.key_of(t)].append(i)
+        t0 = time.perf_counter()
+        for key, idx in sorted(by_key.items()):
+            contexts = [self.teacher_tokens(trajs[i]) for i in idx]
+            with torch.no_grad(), self.teachers.use(key) as teacher:
+                theirs = sequence_logprobs(teacher, [c for c, _ in contexts])
+            with torch.no_grad():
+                ours = sequence_logprobs(self.model, [trajs[i].tokens for i in idx])
+            for i, (_, shift), t_lp, s_lp in zip(idx, contexts, theirs, ours):
+                start = trajs[i].prompt_len - 1  # the first position scoring an episode token
+                aligned = torch.zeros_like(s_lp)
+                aligned[start:] = t_lp[start + shift :]
+                rewards[i][start:] = opd_reward(aligned[start:], s_lp[start:], self.cfg.r_max)
+                teacher_lps[i] = aligned
+        self.score_s += time.perf_counter() - t0
+        return rewards, teacher_lps
+
+    def token_advantages(self, trajs, seq_T, mask_T):
+        opd_w, task_w, budget_w = self.cfg.weights
+        budgets = [self.budget(t, self.step) for t in trajs]
+        rewards_S = torch.tensor([task_w * t.reward + budget_w * b for t, b in zip(trajs, budgets)])
+        adv_T = group_advantages(rewards_S, torch.tensor([t.group for t in trajs]),
+                                 normalize_std=self.cfg.normalize_std)[seq_T]  # fmt: skip
+        metrics = {"budget_penalty_rate": sum(b < 0 for b in budgets) / len(trajs),
+                   "tau": {e: self.tau(e, self.step) for e in sorted({t.effort for t in trajs if t.effort})}}  # fmt: skip
+        if opd_w > 0:
+            r_T = torch.cat(self.opd_rewards(trajs)[0])
+            adv_T = adv_T + opd_w * torch.where(mask_T, r_T, 0.0)
+            n = max(int(mask_T.sum()), 1)
+            metrics["opd_reward"] = float(r_T[mask_T].sum()) / n
+            metrics["reverse_kl"] = -metrics["opd_reward"]  # the per-token estimate E[log π_θ − log π_teacher]
+            metrics["opd_clip_fraction"] = float((r_T[mask_T].abs() >= self.cfg.r_max).sum()) / n
+        return adv_T, metrics
+
+    # ---- the update of each method -----------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        if self.cfg.method == "offpolicy":
+            return self._offpolicy_step()
+        return super().train_step()
+
+    def update(self, trajs: list[Trajectory]) -> dict:
+        if self.cfg.method == "topk":
+            return self._topk_update(trajs)
+        return super().update(trajs)
+
+    def _topk_update(self, trajs: list[Trajectory]) -> dict:
+        """Forward KL(q_teacher^topk ‖ π_θ) per generated token, q the teacher's top-k probabilities renormalised,
+        averaged over the generated tokens; micro-batched like the RL update."""
+        cfg = self.cfg
+        trajs = [t for t in trajs if t.num_generated and t.routed_experts is not None]
+        if not trajs:
+            return {"loss": 0.0, "trained_sequences": 0}
+        n_mask = sum(sum(t.generated[1:]) for t in trajs)
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        t_score = 0.0
+        for chunk in micro_batches([len(t.tokens) for t in trajs], cfg.micro_batch_tokens):
+            batch = [trajs[i] for i in chunk]
+            t0 = time.perf_counter()
+            targets = self._teacher_topk(batch)  # per trajectory: (ids [n-1, k], probs [n-1, k])
+            t_score += time.perf_counter() - t0
+            routes = [t.routed_experts for t in batch] if cfg.routing_replay else None
+            logps = sequence_log_softmax(self.model, [t.tokens for t in batch], routes)
+            loss = 0.0
+            for t, lp_nV, (ids_nk, q_nk) in zip(batch, logps, targets):
+                mask_n = torch.tensor(t.generated[1:], dtype=torch.bool)
+                ce_n = -(q_nk * lp_nV.gather(-1, ids_nk)).sum(-1)
+                ent_n = (q_nk * q_nk.clamp(min=1e-30).log()).sum(-1)  # makes the value the KL; no gradient
+                loss = loss + torch.where(mask_n, ce_n + ent_n, 0.0).sum() / n_mask
+            loss.backward()
+            total += loss.item()
+        self.score_s += t_score
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        return {"loss": total, "forward_kl_topk": total, "grad_norm": float(grad_norm),
+                "trained_sequences": len(trajs), "logprob_gap": 0.0}  # fmt: skip
+
+    def _teacher_topk(self, batch: list[Trajectory]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out: list = [None] * len(batch)
+        by_key = defaultdict(list)
+        for i, t in enumerate(batch):
+            by_key[self.key_of(t)].append(i)
+        for key, idx in sorted(by_key.items()):
+            contexts = [self.teacher_tokens(batch[i]) for i in idx]
+            with torch.no_grad(), self.teachers.use(key) as teacher:
+                rows = sequence_log_softmax(teacher, [c for c, _ in contexts])
+            for i, (_, shift), lp_nV in zip(idx, contexts, rows):
+                n = len(batch[i].tokens) - 1
+                start = batch[i].prompt_len - 1
+                aligned = lp_nV.new_full((n, lp_nV.shape[-1]), -torch.inf)
+                aligned[start:] = lp_nV[start + shift :]
+                aligned[:start] = 0.0  # before the episode: any finite row (masked out of the loss)
+                top_lp, top_ids = aligned.topk(self.cfg.topk, dim=-1)
+                out[i] = (top_ids, torch.softmax(top_lp, dim=-1))
+        return out
+
+    def _offpolicy_step(self) -> dict:
+        """SFT on teacher samples: the step's tasks are generated by their teachers (own context, temperature 1),
+        and the student is trained by cross-entropy on the teachers' tokens behind its own effort-tagged prompt."""
+        from openk3.rl.sft import sft_loss
+
+        cfg = self.cfg
+        t_step = time.perf_counter()
+        student = self._new_trajectories()
+        by_key = defaultdict(list)
+        for t in student:
+            by_key[self.key_of(t)].append(t)
+        batch, rewards, lengths = [], [], []
+        gen_tokens = 0
+        for key, trajs in sorted(by_key.items()):
+            worker = self._teacher_worker(key)
+            samples = [worker.start(t.task, group=t.group, sample=t.sample, thinking=key.thinking) for t in trajs]
+            worker.run(samples, version=0)
+            for traj, sample in zip(trajs, samples):
+                tokens = traj.tokens[: traj.prompt_len] + sample.tokens[sample.prompt_len :]
+                mask = [False] * traj.prompt_len + sample.generated[sample.prompt_len :]
+                batch.append((tokens, mask))
+                rewards.append(sample.reward)
+                lengths.append(sample.num_generated)
+                gen_tokens += sample.num_generated
+        self.worker.close(student)
+        t_rollout = time.perf_counter() - t_step
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        n_total = sum(sum(m[1:]) for _, m in batch)
+        for chunk in micro_batches([len(b[0]) for b in batch], cfg.micro_batch_tokens):
+            loss, n = sft_loss(self.model, [batch[i] for i in chunk])
+            (loss * n / max(n_total, 1)).backward()
+            total += loss.item() * n / max(n_total, 1)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+        t_train = time.perf_counter() - t0
+        self.step += 1
+        self.version += 1
+        self._publish()
+        n = max(len(batch), 1)
+        return {"step": self.step, "loss": total, "grad_norm": float(grad_norm), "reward": sum(rewards) / n,
+                "teacher_reward": sum(rewards) / n, "response_tokens": sum(lengths) / n, "logprob_gap": 0.0,
+                "rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9), "train_share": t_train / (time.perf_counter()
+                - t_step), "step_s": time.perf_counter() - t_step, "routing_replay": cfg.routing_replay,
+                "version": self.version, "trained_sequences": len(batch)}  # fmt: skip
+
+    def _teacher_worker(self, key: TeacherKey) -> RolloutWorker:
+        if key not in self._teacher_workers:
+            from openk3.serve.engine import LLMEngine
+
+            model = self.teachers.resident(key)
+            engine = LLMEngine(
+                model, self.tokenizer, engine_config(self.cfg, self.cfg.groups_per_step * self.cfg.group_size)
+            )
+            worker = RolloutWorker(engine, self.tokenizer, self.fleet, self.worker.budgets, snapshots=self.snapshots,
+                                   max_tokens_per_turn=self.cfg.max_tokens_per_turn, seed=self.cfg.seed)  # fmt: skip
+            self._teacher_workers[key] = worker
+        return self._teacher_workers[key]
+
+    # ---- metrics and evaluation --------------------------------------------------------------------------------
+    def _rollout_metrics(self, trajs, stats, dropped, t_rollout, t_train, t_total) -> dict:
+        row = super()._rollout_metrics(trajs, stats, dropped, t_rollout, t_train, t_total)
+        by_key = defaultdict(list)
+        for t in trajs:
+            by_key[str(self.key_of(t))].append(t)
+        row["success"] = {k: sum(t.reward >= SUCCESS for t in v) / len(v) for k, v in sorted(by_key.items())}
+        row["response_tokens_by_key"] = {k: sum(t.num_generated for t in v) / len(v) for k, v in sorted(by_key.items())}
+        row["score_s"] = self.score_s
+        return row
+
+    def evaluate(self) -> dict:
+        """Held-out success and mean response length (generated tokens) per teacher key: greedy episodes on the
+        test split, effort-tagged as in training (the same tasks every time)."""
+        trajs = []
+        for key in self.keys:
+            family = get_family(key.domain)
+            trajs += [self.worker.start(family.generate("test", i), group=-1, sample=i, thinking=key.thinking,
+                                        effort=key.effort) for i in range(self.cfg.eval_tasks)]  # fmt: skip
+        self.worker.run(trajs, self.version, temperature=0.0)
+        by_key = defaultdict(list)
+        for t in trajs:
+            by_key[str(self.key_of(t))].append(t)
+        return {"eval_success": {k: sum(t.reward >= SUCCESS for t in v) / len(v) for k, v in sorted(by_key.items())},
+                "eval_length": {k: sum(t.num_generated for t in v) / len(v) for k, v in sorted(by_key.items())}}  # fmt: skip
+
+    # ---- checkpoint state --------------------------------------------------------------------------------------
+    def _extra_state(self) -> dict:
+        return {"b0": dict(self.b0)}
+
+    def _load_extra_state(self, state: dict) -> None:
+        self._resume_b0 = dict(state.get("b0", {}))
+
+
+def run(cfg: DistillConfig, log=print) -> dict:
+    """`k3 distill`: one run in this process; returns the last metrics row."""
+    from openk3.utils import set_threads
+
+    threads = set_threads(cfg.threads, 1)
+    log(f"k3 distill: {threads}; method {cfg.method}; teachers {', '.join(map(str, sorted(cfg.teacher_specs)))}")
+    trainer = DistillTrainer(cfg, log=log)
+    try:
+        last = trainer.run()
+    finally:
+        trainer.close()
+    if last.get("eval_success"):
+        shown = ", ".join(f"{k} {v:.0%}" for k, v in last["eval_success"].items())
+        log(f"k3 distill: final held-out success: {shown}")
+    return last

@@ -1,0 +1,112 @@
+"""The settings of a `k3 distill` run (rl/distill.py): the RL run's settings (RLConfig) plus the teachers, the
+method, the reward weights and the effort budget's τ schedule; mapped 1:1 from the command's flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from openk3.data.xtml import THINKING_EFFORTS
+from openk3.rl.config import RLConfig
+from openk3.rl.teachers import RESIDENCIES, TeacherKey, parse_teachers
+from openk3.train.config import flag
+
+METHODS = ("opd", "rl", "topk", "offpolicy")
+CONFIG_FILE = "distill_config.json"
+
+
+@dataclass(frozen=True)
+class TauSchedule:
+    """τ_e(step): linear from `start` at step 0 to `final[e]` at `anneal_steps`, constant after."""
+
+    start: float
+    final: dict
+    anneal_steps: int
+
+    def __call__(self, effort: str, step: int) -> float:
+        if effort not in self.final:
+            raise KeyError(f"no final τ for effort {effort!r}; given for {sorted(self.final)}")
+        f = 1.0 if self.anneal_steps <= 0 else min(max(step, 0) / self.anneal_steps, 1.0)
+        return self.start + (self.final[effort] - self.start) * f
+
+
+def parse_tau_final(text: str) -> dict[str, float]:
+    """`low=0.5,high=0.8,max=1.5` -> {"low": 0.5, ...}; errors name the item."""
+    out = {}
+    for item in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, value = item.partition("=")
+        if not sep or name.strip() not in THINKING_EFFORTS:
+            raise ValueError(f"--tau-final: {item!r} is not effort=value with effort in {list(THINKING_EFFORTS)}")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--tau-final: {item!r}: {value!r} is not a number") from None
+        if out[name.strip()] <= 0:
+            raise ValueError(f"--tau-final: {item!r}: τ must be positive")
+    return out
+
+
+@dataclass
+class DistillConfig(RLConfig):
+    CONFIG_FILE: ClassVar[str] = CONFIG_FILE
+
+    teachers: str = flag("", "teachers: domain[:effort]=CKPT,... (a checkpoint folder or a k3 rl/train run each, "
+                         "with the student's vocabulary)", required=True)  # fmt: skip
+    task: str = flag("", "derived from --teachers (the teachers' domains); leave unset")
+    out: str = flag("runs/distill", "run folder: checkpoints, metrics.jsonl, distill_config.json", required=True)
+    method: str = flag("opd", "opd (Eq. 15 sampled-token reward), rl (task reward only), topk (forward KL to the "
+                       "teacher's top-k distribution), offpolicy (SFT on teacher samples)", choices=METHODS)  # fmt: skip
+    opd_weight: float = flag(1.0, "weight of the per-token distillation reward")
+    task_weight: float = flag(0.0, "weight of the task reward (group advantage); --method rl uses 1 when this is 0")
+    budget_weight: float = flag(1.0, "weight of the effort budget reward (−1 above τ·b0)")
+    r_max: float = flag(5.0, "R_max: the per-token reward is clipped to ±R_max")
+    topk: int = flag(8, "teacher tokens per position of --method topk")
+    residency: str = flag("memory", "teachers kept in memory, or loaded in turn for each scoring", choices=RESIDENCIES)
+    tau_start: float = flag(3.0, "τ of every effort at step 0")
+    tau_final: str = flag("low=0.5,high=0.8,max=1.5", "τ per effort after annealing")
+    tau_anneal_steps: int = flag(20, "steps over which τ anneals linearly from --tau-start to --tau-final")
+
+    def __post_init__(self) -> None:
+        self.task = ",".join(sorted({k.domain for k in parse_teachers(self.teachers)}))
+        super().__post_init__()
+
+    @property
+    def teacher_specs(self) -> dict[TeacherKey, str]:
+        return parse_teachers(self.teachers)
+
+    @property
+    def tau(self) -> TauSchedule:
+        return TauSchedule(self.tau_start, parse_tau_final(self.tau_final), self.tau_anneal_steps)
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("opd_weight", "task_weight", "budget_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        for name in ("r_max", "tau_start", "topk"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        efforts = {k.effort for k in self.teacher_specs if k.effort is not None}
+        missing = efforts - set(parse_tau_final(self.tau_final))
+        if missing:
+            raise ValueError(f"--tau-final gives no τ for effort {sorted(missing)}")
+        if self.uses_budget and self.init is None:
+            raise ValueError("the effort budget measures b0 with the cold-start model: pass --init CKPT (or "
+                             "--budget-weight 0)")  # fmt: skip
+        if self.method == "offpolicy" and self.partial_rollout_fraction < 1:
+            raise ValueError(
+                "--method offpolicy trains on whole teacher episodes: --partial-rollout-fraction must be 1"
+            )
+
+    @property
+    def uses_budget(self) -> bool:
+        """The effort budget applies: an RL-style method, a budget weight, and an effort-tagged teacher."""
+        return (self.method in ("opd", "rl") and self.budget_weight > 0
+                and any(k.effort is not None for k in self.teacher_specs))  # fmt: skip
+
+    @property
+    def weights(self) -> tuple[float, float, float]:
+        """(opd, task, budget) weights of the method."""
+        if self.method == "rl":
+            return 0.0, self.task_weight or 1.0, self.budget_weight
+        return self.opd_weight, self.task_weight, self.budget_weight

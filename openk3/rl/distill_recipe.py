@@ -1,0 +1,174 @@
+"""The worked distillation recipe on CPU (`benchmarks/distill.py`): a cold-start student and one teacher per domain
+and effort, all tiny, all from the RL issue's task families, all built with SFT on scripted demonstrations.
+
+    domains     calculator, code-fix (no effort tag: thinking off, as `k3 rl` episodes)
+                files:low, files:max (thinking on; the effort decides how much the think channel says)
+
+Effort is the length of the think channel. `effort_turns(task, effort)` adds to each demonstration message a
+reasoning of the effort's size: none at `low`, a few words at `high`, at `max` a sentence naming the tool and
+copying its arguments (and, for the answer, the value). Success does not depend on it (the tool calls and the answer
+are the same), so a low-effort expert is as right as a max-effort one in fewer tokens: what K3's effort levels aim at.
+
+The cold start (the student's init, and b0's model) is copy pre-training then SFT on a mixture of every domain with a
+share of tool-free guesses (a weak, partly tool-using policy, as in the RL recipe); its effort-tagged episodes carry
+a random effort tag and, independently, a random reasoning size: it has seen the format but does not follow the tag.
+Each teacher is the cold start trained further by SFT on its own domain and effort alone, without guesses, with the
+reasoning of its effort and no effort tag (the teacher is the expert of that effort; Eq. 15's π_teacher(y | x)).
+
+Legend: (ids, mask) an episode's tokens and its loss mask (the assistant's tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import torch
+
+from openk3.data.tokenizer import train_bpe
+from openk3.data.xtml import render_xtml
+from openk3.rl.envs import Task, get_family, initial_messages
+from openk3.rl.sft import COPY_BATCH, CopyStream, sft_loss
+from openk3.rl.teachers import TeacherKey
+from openk3.rl.transcript import episode_ids
+from openk3.train.optim import param_groups
+
+TOKENIZER_EPISODES = 400  # demonstrations per (domain, effort) the recipe's tokenizer is trained on
+
+
+def reasoning(message: dict, answer: str | None, effort: str) -> str:
+    """The think channel of a demonstration message at `effort` ("" at low)."""
+    calls = message.get("tool_calls") or []
+    if effort == "low":
+        return ""
+    if effort == "high":
+        return "use " + ", ".join(c["function"]["name"] for c in calls) if calls else "answer"
+    if calls:
+        parts = []
+        for c in calls:
+            args = json.loads(c["function"]["arguments"])
+            parts.append(f"call {c['function']['name']} with " + ", ".join(f"{k} {v}" for k, v in args.items()))
+        return "The question needs a tool. I will " + " and ".join(parts) + ", then read its output."
+    shown = message.get("content") or answer or ""
+    return f"The output gives {shown}, so the answer is {shown}."
+
+
+def effort_turns(task: Task, effort: str | None) -> list[dict]:
+    """The family's demonstration with every assistant message's reasoning at `effort` (None: unchanged)."""
+    turns = get_family(task.family).demonstration(task)
+    if effort is None:
+        return turns
+    return [{**m, "reasoning_content": reasoning(m, task.answer, effort)} if m["role"] == "assistant" else m
+            for m in turns]  # fmt: skip
+
+
+def demo_ids(task: Task, tokenizer, *, style: str | None, tag: str | None, guess_rng=None) -> tuple[list, list]:
+    """(ids, mask) of a demonstration: reasoning of `style` (None: thinking off), effort tag `tag` in the prompt; a
+    tool-free guess when `guess_rng` is given."""
+    family = get_family(task.family)
+    turns = family.guess(task, guess_rng) if guess_rng is not None else effort_turns(task, style)
+    if guess_rng is not None and style is not None:
+        turns = [{**m, "reasoning_content": reasoning(m, task.answer, style)} for m in turns]
+    return episode_ids(initial_messages(task), turns, task.tools, tokenizer, thinking=style is not None, effort=tag)
+
+
+def recipe_tokenizer(keys: list[TeacherKey], text_config, seed: int = 0):
+    """A BPE for the recipe, trained on the text of training-split demonstrations of every key at its effort."""
+    texts = []
+    for key in keys:
+        family = get_family(key.domain)
+        for i in range(TOKENIZER_EPISODES):
+            task = family.generate("train", seed * 1_000_003 + i)
+            messages = initial_messages(task) + effort_turns(task, key.effort)
+            segments = render_xtml(messages, task.tools, add_generation_prompt=True, thinking=key.thinking)
+            texts.append("".join(s.text for s in segments if not s.allow_special))
+    special = {"bos": text_config.bos_token_id, "eos": text_config.eos_token_id, "pad": text_config.pad_token_id}
+    return train_bpe(texts, text_config.vocab_size, special, split_digits=True)
+
+
+class RecipeStream:
+    """Seeded demonstrations for one stage: round-robin over `keys`; `student=True` gives the cold start's mixture
+    (random effort tag and, independently, random reasoning size; `guess_share` tool-free guesses), else a
+    teacher's data (its effort's reasoning, no tag, no guesses)."""
+
+    def __init__(self, keys: list[TeacherKey], tokenizer, seed: int, *, student: bool, guess_share: float = 0.0):
+        self.keys, self.tokenizer, self.student, self.guess_share = keys, tokenizer, student, guess_share
+        self.rng = random.Random(seed)
+        self.drawn = 0
+        self.efforts = {k.domain: sorted(x.effort for x in keys if x.domain == k.domain and x.effort) for k in keys}
+
+    def batch(self, n: int) -> list[tuple[list[int], list[bool]]]:
+        out = []
+        for _ in range(n):
+            key = self.keys[self.drawn % len(self.keys)]
+            self.drawn += 1
+            task = get_family(key.domain).generate("train", self.rng.randrange(2**31))
+            guess = self.rng if self.student and self.rng.random() < self.guess_share else None
+            if not self.student:
+                out.append(demo_ids(task, self.tokenizer, style=key.effort, tag=None))
+            elif key.effort is None:
+                out.append(demo_ids(task, self.tokenizer, style=None, tag=None, guess_rng=guess))
+            else:
+                efforts = self.efforts[key.domain]
+                tag, style = self.rng.choice(efforts), self.rng.choice(efforts)
+                out.append(demo_ids(task, self.tokenizer, style=style, tag=tag, guess_rng=guess))
+        return out
+
+
+def supervised(model, batches, steps: int, lr: float, *, decay: bool = True, progress=None) -> list[float]:
+    """`steps` AdamW steps of cross-entropy on `batches()` (the rate linear to a tenth when `decay`); the losses."""
+    optimizer = torch.optim.AdamW(param_groups(model, 0.0), lr=lr, betas=(0.9, 0.95))
+    model.train()
+    losses = []
+    for i in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr * (1 - 0.9 * i / steps if decay else 1.0)
+        loss, _ = sft_loss(model, batches())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if progress is not None:
+            progress(i + 1, losses[-1])
+    return losses
+
+
+def copy_pretrain(model, tokenizer, keys: list[TeacherKey], steps: int, seed: int, lr: float = 2e-3, progress=None):
+    """The RL recipe's copy pre-training (sft.CopyStream) over the recipe's domains."""
+    stream = CopyStream(sorted({k.domain for k in keys}), tokenizer, seed)
+    return supervised(model, lambda: stream.batch(COPY_BATCH), steps, lr, decay=False, progress=progress)
+
+
+def save_policy(model, tokenizer, path: str) -> str:
+    """A release-format checkpoint folder with its tokenizer (what `--init` and `--teachers` take)."""
+    model.save_pretrained(path)
+    tokenizer.save(path)
+    return path
+
+
+def evaluate_policy(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet, *, tagged: bool,
+                    max_turns: int = 4, max_tokens: int = 256, max_tokens_per_turn: int = 128) -> dict:  # fmt: skip
+    """Held-out success and mean response length per key (greedy, the test split's first `tasks` tasks, as
+    `DistillTrainer.evaluate` picks them): `tagged` renders the effort tag (the student's view), else only the think
+    channel of effort keys (a teacher's)."""
+    from openk3.rl.config import RLConfig
+    from openk3.rl.env import Budgets, TaskSnapshots
+    from openk3.rl.loop import SUCCESS, engine_config
+    from openk3.rl.rollout import RolloutWorker
+    from openk3.serve.engine import LLMEngine
+
+    engine = LLMEngine(model, tokenizer, engine_config(RLConfig(out="-"), tasks * len(keys)))
+    snapshots = TaskSnapshots(fleet, max_tasks=tasks * len(keys))
+    worker = RolloutWorker(engine, tokenizer, fleet, Budgets(max_turns=max_turns, max_tokens=max_tokens,
+                                                             wall_clock_s=600.0),
+                           snapshots=snapshots, max_tokens_per_turn=max_tokens_per_turn)  # fmt: skip
+    try:
+        trajs = {key: [worker.start(get_family(key.domain).generate("test", i), group=-1, sample=i,
+                                    thinking=key.thinking, effort=key.effort if tagged else None)
+                       for i in range(tasks)] for key in keys}  # fmt: skip
+        worker.run([t for v in trajs.values() for t in v], version=0, temperature=0.0)
+    finally:
+        snapshots.close()
+    return {str(key): {"success": sum(t.reward >= SUCCESS for t in v) / len(v),
+                       "length": sum(t.num_generated for t in v) / len(v)} for key, v in trajs.items()}  # fmt: skip

@@ -94,6 +94,10 @@ class DistillTrainer(RLTrainer):
         model.init_weights(torch.Generator().manual_seed(self.cfg.seed))
         return model, tokenizer
 
+    @property
+    def eval_episodes(self) -> int:
+        return self.cfg.eval_tasks * len(self.keys)  # one set of test tasks per key, not per domain
+
     # ---- tasks -------------------------------------------------------------------------------------------------
     def key_of(self, traj: Trajectory) -> TeacherKey:
         return TeacherKey(traj.task.family, traj.effort)

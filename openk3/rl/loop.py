@@ -101,7 +101,7 @@ class RLTrainer:
         if ckpt is not None:
             self._load_state(ckpt)
         engine_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        max_seqs = max(cfg.groups_per_step * cfg.group_size, cfg.eval_tasks * len(cfg.families))
+        max_seqs = max(cfg.groups_per_step * cfg.group_size, self.eval_episodes)
         self.engine = LLMEngine(engine_model, self.tokenizer, engine_config(cfg, min(max_seqs, 256)))
         self.engine.weight_version = self.version
         self._own_fleet = fleet is None
@@ -110,7 +110,7 @@ class RLTrainer:
 
             fleet = Fleet(max_sandboxes=max_seqs + 8, warm=4, memory_mb=256)
         self.fleet = fleet
-        self.snapshots = TaskSnapshots(fleet, max_tasks=4 * cfg.groups_per_step + len(cfg.families) * cfg.eval_tasks)
+        self.snapshots = TaskSnapshots(fleet, max_tasks=4 * cfg.groups_per_step + self.eval_episodes)
         # The wall clock runs from an episode's reset, through training steps when a partial rollout continues it:
         # generous, so that only a stuck episode hits it.
         budgets = Budgets(max_turns=cfg.max_turns, max_tokens=cfg.max_tokens, wall_clock_s=600.0)
@@ -313,6 +313,11 @@ class RLTrainer:
                 "staleness": float(staleness.mean()) if staleness.numel() else 0.0,
                 "advantage_abs_mean": float(adv_T[mask_T].abs().mean()) if mask_T.any() else 0.0,
                 **adv_metrics}  # fmt: skip
+
+    @property
+    def eval_episodes(self) -> int:
+        """Episodes of one held-out evaluation (all in flight at once: the engine and the fleet are sized for it)."""
+        return self.cfg.eval_tasks * len(self.cfg.families)
 
     def token_advantages(self, trajs: list[Trajectory], seq_T: torch.Tensor, mask_T: torch.Tensor):
         """(advantage per packed token, metrics): GRPO's group advantage of each trajectory's reward, on all its

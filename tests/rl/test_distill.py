@@ -142,6 +142,7 @@ def test_each_token_is_scored_by_the_teacher_of_its_domain_and_effort(policies, 
                   budget_weight=0.0)  # fmt: skip
     trainer = _trainer(cfg, fleet)
     try:
+        assert trainer.eval_episodes == 3 * cfg.eval_tasks  # the engine and fleet are sized per key, not per domain
         trajs = trainer._new_trajectories()
         assert sorted({str(trainer.key_of(t)) for t in trajs}) == sorted(specs)
         trainer.worker.run(trajs, trainer.version)

@@ -42,7 +42,7 @@ from openk3.config import K3Config
 from openk3.data.tokenizer import load_tokenizer
 from openk3.data.xtml import THINKING_EFFORTS
 from openk3.rl.distill_config import CONFIG_FILE, METHODS, DistillConfig, TauSchedule, parse_tau_final  # noqa: F401
-from openk3.rl.envs import get_family, initial_messages
+from openk3.rl.envs import Task, get_family, initial_messages
 from openk3.rl.logprobs import sequence_log_softmax, sequence_logprobs
 from openk3.rl.loop import SUCCESS, RLTrainer, _task_index, engine_config, micro_batches
 from openk3.rl.losses import group_advantages
@@ -102,19 +102,38 @@ class DistillTrainer(RLTrainer):
     def key_of(self, traj: Trajectory) -> TeacherKey:
         return TeacherKey(traj.task.family, traj.effort)
 
-    def _new_trajectories(self) -> list[Trajectory]:
-        """`groups_per_step` tasks, round-robin over the teacher keys, `group_size` samples each, effort-tagged."""
-        cfg, out = self.cfg, []
-        for _ in range(cfg.groups_per_step):
+    def _step_tasks(self) -> list[tuple[int, TeacherKey, Task]]:
+        """The step's `groups_per_step` (group, key, task), round-robin over the teacher keys."""
+        out = []
+        for _ in range(self.cfg.groups_per_step):
             group = self.task_counter
             self.task_counter += 1
             key = self.keys[group % len(self.keys)]
-            task = get_family(key.domain).generate("train", _task_index(cfg.seed, group))
-            out += [self.worker.start(task, group=group, sample=s, thinking=key.thinking, effort=key.effort)
-                    for s in range(cfg.group_size)]  # fmt: skip
+            out.append((group, key, get_family(key.domain).generate("train", _task_index(self.cfg.seed, group))))
+        return out
+
+    def _new_trajectories(self) -> list[Trajectory]:
+        """The step's tasks, `group_size` samples each, effort-tagged."""
+        out = [self.worker.start(task, group=group, sample=s, thinking=key.thinking, effort=key.effort)
+               for group, key, task in self._step_tasks() for s in range(self.cfg.group_size)]  # fmt: skip
         if self.cfg.uses_budget:
             self._measure_b0(out)
         return out
+
+    def _by_key(self, trajs: list[Trajectory]) -> list[tuple[TeacherKey, list[int]]]:
+        """The indices of `trajs` per teacher key, keys in order."""
+        by_key = defaultdict(list)
+        for i, t in enumerate(trajs):
+            by_key[self.key_of(t)].append(i)
+        return sorted(by_key.items())
+
+    def _key_means(self, trajs: list[Trajectory]) -> tuple[dict[str, float], dict[str, float]]:
+        """(success rate, mean generated tokens) per teacher key's name."""
+        success, length = {}, {}
+        for key, idx in self._by_key(trajs):
+            success[str(key)] = sum(trajs[i].reward >= SUCCESS for i in idx) / len(idx)
+            length[str(key)] = sum(trajs[i].num_generated for i in idx) / len(idx)
+        return success, length
 
     # ---- the effort budget -------------------------------------------------------------------------------------
     def _measure_b0(self, trajs: list[Trajectory]) -> None:
@@ -164,24 +183,26 @@ class DistillTrainer(RLTrainer):
         over the same trajectories, both with natural routing."""
         rewards = [torch.zeros(len(t.tokens) - 1) for t in trajs]
         teacher_lps = [torch.zeros(len(t.tokens) - 1) for t in trajs]
-        by_key = defaultdict(list)
-        for i, t in enumerate(trajs):
-            by_key[self.key_of(t)].append(i)
         t0 = time.perf_counter()
-        for key, idx in sorted(by_key.items()):
-            contexts = [self.teacher_tokens(trajs[i]) for i in idx]
-            with torch.no_grad(), self.teachers.use(key) as teacher:
-                theirs = sequence_logprobs(teacher, [c for c, _ in contexts])
+        for idx, theirs in self._teacher_forward(trajs, sequence_logprobs):
             with torch.no_grad():
                 ours = sequence_logprobs(self.model, [trajs[i].tokens for i in idx])
-            for i, (_, shift), t_lp, s_lp in zip(idx, contexts, theirs, ours):
-                start = trajs[i].prompt_len - 1  # the first position scoring an episode token
-                aligned = torch.zeros_like(s_lp)
-                aligned[start:] = t_lp[start + shift :]
-                rewards[i][start:] = opd_reward(aligned[start:], s_lp[start:], self.cfg.r_max)
-                teacher_lps[i] = aligned
+            for i, (start, t_lp), s_lp in zip(idx, theirs, ours):
+                teacher_lps[i][start:] = t_lp
+                rewards[i][start:] = opd_reward(t_lp, s_lp[start:], self.cfg.r_max)
         self.score_s += time.perf_counter() - t0
         return rewards, teacher_lps
+
+    def _teacher_forward(self, trajs: list[Trajectory], forward):
+        """Per teacher key: (indices into `trajs`, per index (start, rows)), from one no-grad `forward(teacher,
+        contexts)` over all of the key's trajectories; `rows` are the teacher's outputs at the student's positions
+        start.. (start = the position scoring the first episode token; the prompts differ, the episodes do not)."""
+        for key, idx in self._by_key(trajs):
+            contexts = [self.teacher_tokens(trajs[i]) for i in idx]
+            with torch.no_grad(), self.teachers.use(key) as teacher:
+                outs = forward(teacher, [c for c, _ in contexts])
+            starts = [trajs[i].prompt_len - 1 for i in idx]
+            yield idx, [(start, out[start + shift :]) for start, (_, shift), out in zip(starts, contexts, outs)]
 
     def token_advantages(self, trajs, seq_T, mask_T):
         opd_w, task_w, budget_w = self.cfg.weights
@@ -246,19 +267,10 @@ class DistillTrainer(RLTrainer):
 
     def _teacher_topk(self, batch: list[Trajectory]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out: list = [None] * len(batch)
-        by_key = defaultdict(list)
-        for i, t in enumerate(batch):
-            by_key[self.key_of(t)].append(i)
-        for key, idx in sorted(by_key.items()):
-            contexts = [self.teacher_tokens(batch[i]) for i in idx]
-            with torch.no_grad(), self.teachers.use(key) as teacher:
-                rows = sequence_log_softmax(teacher, [c for c, _ in contexts])
-            for i, (_, shift), lp_nV in zip(idx, contexts, rows):
-                n = len(batch[i].tokens) - 1
-                start = batch[i].prompt_len - 1
-                aligned = lp_nV.new_full((n, lp_nV.shape[-1]), -torch.inf)
-                aligned[start:] = lp_nV[start + shift :]
-                aligned[:start] = 0.0  # before the episode: any finite row (masked out of the loss)
+        for idx, rows in self._teacher_forward(batch, sequence_log_softmax):
+            for i, (start, lp_nV) in zip(idx, rows):
+                # before the episode: any finite row (masked out of the loss)
+                aligned = torch.cat([lp_nV.new_zeros(start, lp_nV.shape[-1]), lp_nV])
                 top_lp, top_ids = aligned.topk(self.cfg.topk, dim=-1)
                 out[i] = (top_ids, torch.softmax(top_lp, dim=-1))
         return out
@@ -270,24 +282,26 @@ class DistillTrainer(RLTrainer):
 
         cfg = self.cfg
         t_step = time.perf_counter()
-        student = self._new_trajectories()
         by_key = defaultdict(list)
-        for t in student:
-            by_key[self.key_of(t)].append(t)
+        for group, key, task in self._step_tasks():
+            by_key[key].append((group, task))
         batch, rewards, lengths = [], [], []
         gen_tokens = 0
-        for key, trajs in sorted(by_key.items()):
+        for key, tasks in sorted(by_key.items()):
             worker = self._teacher_worker(key)
-            samples = [worker.start(t.task, group=t.group, sample=t.sample, thinking=key.thinking) for t in trajs]
+            samples = [worker.start(task, group=group, sample=s, thinking=key.thinking)
+                       for group, task in tasks for s in range(cfg.group_size)]  # fmt: skip
             worker.run(samples, version=0)
-            for traj, sample in zip(trajs, samples):
-                tokens = traj.tokens[: traj.prompt_len] + sample.tokens[sample.prompt_len :]
-                mask = [False] * traj.prompt_len + sample.generated[sample.prompt_len :]
+            for sample in samples:
+                # the student's own effort-tagged prompt (no sandbox needed for it), then the teacher's episode
+                prompt = prompt_ids(initial_messages(sample.task), sample.task.tools, self.tokenizer,
+                                    thinking=key.thinking, effort=key.effort)  # fmt: skip
+                tokens = prompt + sample.tokens[sample.prompt_len :]
+                mask = [False] * len(prompt) + sample.generated[sample.prompt_len :]
                 batch.append((tokens, mask))
                 rewards.append(sample.reward)
                 lengths.append(sample.num_generated)
                 gen_tokens += sample.num_generated
-        self.worker.close(student)
         t_rollout = time.perf_counter() - t_step
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
@@ -327,11 +341,7 @@ class DistillTrainer(RLTrainer):
     # ---- metrics and evaluation --------------------------------------------------------------------------------
     def _rollout_metrics(self, trajs, stats, dropped, t_rollout, t_train, t_total) -> dict:
         row = super()._rollout_metrics(trajs, stats, dropped, t_rollout, t_train, t_total)
-        by_key = defaultdict(list)
-        for t in trajs:
-            by_key[str(self.key_of(t))].append(t)
-        row["success"] = {k: sum(t.reward >= SUCCESS for t in v) / len(v) for k, v in sorted(by_key.items())}
-        row["response_tokens_by_key"] = {k: sum(t.num_generated for t in v) / len(v) for k, v in sorted(by_key.items())}
+        row["success"], row["response_tokens_by_key"] = self._key_means(trajs)
         row["score_s"] = self.score_s
         return row
 
@@ -344,11 +354,8 @@ class DistillTrainer(RLTrainer):
             trajs += [self.worker.start(family.generate("test", i), group=-1, sample=i, thinking=key.thinking,
                                         effort=key.effort) for i in range(self.cfg.eval_tasks)]  # fmt: skip
         self.worker.run(trajs, self.version, temperature=0.0)
-        by_key = defaultdict(list)
-        for t in trajs:
-            by_key[str(self.key_of(t))].append(t)
-        return {"eval_success": {k: sum(t.reward >= SUCCESS for t in v) / len(v) for k, v in sorted(by_key.items())},
-                "eval_length": {k: sum(t.num_generated for t in v) / len(v) for k, v in sorted(by_key.items())}}  # fmt: skip
+        success, length = self._key_means(trajs)
+        return {"eval_success": success, "eval_length": length}
 
     # ---- checkpoint state --------------------------------------------------------------------------------------
     def _extra_state(self) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -52,12 +53,15 @@ def test_multi_process_training_matches_one_process(single, layout, tmp_path, mo
 
 
 def test_resume_at_another_layout(single, tmp_path, monkeypatch):
-    """Stop a 2 x 2 run after step 1, resume it with 2 processes and with 1: step 2 matches the uninterrupted run."""
+    """Stop a 2 x 2 run after step 1, resume copies of it with 2 processes and with 1: step 2 matches the
+    uninterrupted run."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    stopped = str(tmp_path / "stopped")
+    assert main(["train", *FLAGS, "--out", stopped, "--stop-after", "1", "--nproc", "4", "--dp", "2", "--ep", "2"]) == 0
+    assert os.path.isfile(os.path.join(stopped, "checkpoints", "step-00000001", ".metadata"))
     for resume_layout in (["--nproc", "2", "--dp", "2"], []):
         run = str(tmp_path / f"run{len(resume_layout)}")
-        assert main(["train", *FLAGS, "--out", run, "--stop-after", "1", "--nproc", "4", "--dp", "2", "--ep", "2"]) == 0
-        assert os.path.isfile(os.path.join(run, "checkpoints", "step-00000001", ".metadata"))
+        shutil.copytree(stopped, run)  # the run folder holds no absolute paths: a copy resumes like the original
         layout = resume_layout or ["--dp", "1"]
         assert main(["train", *FLAGS, "--out", run, "--resume", *layout]) == 0
         rows = metrics(run)

@@ -51,15 +51,15 @@ from openk3.config import K3Config
 from openk3.data.chat import check_text, load_chat_template
 from openk3.data.detokenizer import IncrementalDetokenizer
 from openk3.data.tokenizer import ByteTokenizer, load_tokenizer
-from openk3.data.vision import load_media_proc_cfg, num_image_tokens, preprocess
+from openk3.data.vision import image_prompt, load_media_proc_cfg, num_image_tokens, preprocess
 from openk3.model.cache import cache_specs
 from openk3.model.model import K3ForCausalLM
 from openk3.model.multimodal import K3ForConditionalGeneration, placeholder_spans
 from openk3.ops.sampling import GREEDY_BELOW, sample_rows, sampling_probs_rows
-from openk3.serve.config import ServeConfig, checkpoint_dtype, resolve_dtype
+from openk3.serve.config import DEFAULT_MAX_IMAGE_PIXELS, ServeConfig, checkpoint_dtype, resolve_dtype
 from openk3.serve.kv.manager import KVCacheManager
 from openk3.serve.kv.routes import ROUTE_DTYPE, num_moe_layers
-from openk3.serve.protocol import chat_request
+from openk3.serve.protocol import FieldError, chat_request
 from openk3.serve.request import (
     CompletionOutput, ImageInputs, ImageRows, Request, RequestOutput, SamplingParams, Status,
 )  # fmt: skip
@@ -549,6 +549,7 @@ class LLM:
             model.to_dtype(resolve_dtype(dtype))
         self.engine = LLMEngine(model, tokenizer, ServeConfig.from_options(**options), media_proc_cfg)
         self._chat_template = None
+        self.max_image_pixels = DEFAULT_MAX_IMAGE_PIXELS  # per image part of `chat` (the server's default limit)
 
     @property
     def chat_template(self):
@@ -573,19 +574,18 @@ class LLM:
         generated, and each sample's `message` set to the parsed assistant message (K3's XTML format: content,
         reasoning_content, tool_calls; a plain or Jinja one: the text as content). The fields are checked as the
         server checks them (a ValueError naming the field); `finish_reason` stays the engine's ("stop", not
-        "tool_calls")."""
+        "tool_calls"). With a vision checkpoint, user messages may hold image parts as the server takes them
+        (`{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`; nothing is fetched, each image
+        at most `self.max_image_pixels`)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         options = {"tools": tools, "tool_choice": tool_choice, "response_format": response_format,
                    "chat_template_kwargs": chat_template_kwargs}  # fmt: skip
         options = {k: v for k, v in options.items() if v is not None}
         requests = [chat_request({"messages": conv, **options}) for conv in conversations]
-        if any(r.image_parts() for r in requests):
-            raise NotImplementedError("LLM.chat does not take image parts yet: use generate() with "
-                                      "multi_modal_data, or the server's chat endpoint")  # fmt: skip
         template = self.chat_template
         params = sampling_params or SamplingParams()
         params = dataclasses.replace(params, stop=list(params.stop) + template.stop)
-        outs = self.generate([{"prompt_token_ids": r.encode(template)} for r in requests], params, use_tqdm)
+        outs = self.generate([self._chat_prompt(r, template) for r in requests], params, use_tqdm)
         for request, out in zip(requests, outs):
             for o in out.outputs:
                 if not template.supports_tools:
@@ -596,6 +596,21 @@ class LLM:
                 o.message = answer.message()
                 answer.report(f"chat {out.request_id} sample {o.index}", o)
         return outs
+
+    def _chat_prompt(self, request, template) -> dict:
+        """The engine prompt of one chat request: its ids, and with image parts (data URLs, as the server takes
+        them; each at most `max_image_pixels`) the decoded images behind K3's media markers."""
+        images = request.image_parts()
+        if not images:
+            return {"prompt_token_ids": request.encode(template)}
+        request.check_format(template)
+        if self.engine.vision_model is None:
+            raise FieldError(images[0].path, f"{images[0].path}: this model is text-only; image inputs need a "
+                                             f"vision checkpoint")  # fmt: skip
+        pil = [part.open(self.max_image_pixels) for part in images]
+        ids = request.encode(template, [image_prompt(im) for im in pil])
+        inputs = self.engine.process_images(pil, self.max_image_pixels)
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": inputs}}
 
     def generate(
         self,

@@ -28,6 +28,8 @@ Chat fields for K3's XTML format, and how each maps (`ChatCompletionRequest.rend
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import time
 import uuid
@@ -48,6 +50,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from openk3.data.chat import Message, check_text
+from openk3.data.vision import open_image
 from openk3.data.xtml import THINKING_EFFORTS
 from openk3.serve.chat_answer import ChatAnswer
 from openk3.serve.request import CompletionOutput, SamplingParams
@@ -238,6 +241,26 @@ class ImagePart:
 
     url: str
     path: str
+
+    def open(self, max_pixels: int):
+        """The PIL image of this part's `data:...;base64,...` URL. FieldError naming the part for any other URL
+        (nothing is fetched), bad base64, an image over `max_pixels`, or bytes no decoder reads."""
+        if not self.url.startswith("data:"):
+            raise FieldError(self.path, f"{self.path}: only data URLs (data:image/png;base64,...) are accepted; "
+                                        f"nothing is fetched")  # fmt: skip
+        header, sep, data = self.url.partition(",")
+        if not sep or not header.lower().endswith(";base64"):
+            raise FieldError(self.path, f"{self.path}: a data URL must carry base64 data (data:image/png;base64,...)")
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as err:
+            raise FieldError(self.path, f"{self.path}: the data URL is not valid base64 ({err})") from err
+        try:
+            return open_image(raw, max_pixels)
+        except ValueError as err:
+            raise FieldError(self.path, f"{self.path}: {err}") from err
+        except Exception as err:  # noqa: BLE001 - whatever a decoder raises on hostile bytes is the client's error
+            raise FieldError(self.path, f"{self.path}: cannot decode the image ({type(err).__name__}: {err})") from err
 
 
 def _image_url(part: dict, path: str) -> ImagePart:

@@ -39,8 +39,6 @@ limit. A client that disconnects, streaming or not, aborts its request, which fr
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import json
 import logging
@@ -54,7 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from openk3.data.jinja_sandbox import TemplateFailed, TemplateRejected
-from openk3.data.vision import image_prompt, open_image
+from openk3.data.vision import image_prompt
 from openk3.serve.async_engine import AsyncLLM, EngineDead, QueueFull
 from openk3.serve.config import (
     DEFAULT_MAX_BODY_BYTES,
@@ -148,25 +146,6 @@ class APIError(Exception):
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", param=None, headers=None) -> JSONResponse:
     return SafeJSONResponse(error_body(message, kind, param, status), status_code=status, headers=headers)
-
-
-def _data_url_image(part: ImagePart, max_pixels: int):
-    """The PIL image of a `data:...;base64,...` URL; APIError 400 naming the part for anything else."""
-    header, sep, data = part.url.partition(",")
-    if not sep or not header.lower().endswith(";base64"):
-        raise APIError(400, f"{part.path}: a data URL must carry base64 data (data:image/png;base64,...)",
-                       param=part.path)  # fmt: skip
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as err:
-        raise APIError(400, f"{part.path}: the data URL is not valid base64 ({err})", param=part.path) from err
-    try:
-        return open_image(raw, max_pixels)
-    except ValueError as err:
-        raise APIError(400, f"{part.path}: {err}", param=part.path) from err
-    except Exception as err:  # noqa: BLE001 - whatever a decoder raises on hostile bytes is the client's 400
-        raise APIError(400, f"{part.path}: cannot decode the image ({type(err).__name__}: {err})",
-                       param=part.path) from err  # fmt: skip
 
 
 def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -349,7 +328,10 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
     def prepare_chat(encode, images: list[ImagePart] = ()):
         try:
             if images:
-                pil = [_data_url_image(part, max_image_pixels) for part in images]
+                try:
+                    pil = [part.open(max_image_pixels) for part in images]
+                except FieldError as err:
+                    raise APIError(400, str(err), param=err.param) from err
                 try:
                     inputs = engine.process_images(pil, max_image_pixels)
                 except ValueError as err:

@@ -31,12 +31,13 @@ from serve_helpers import (
 
 from openk3 import K3ForCausalLM, K3ForConditionalGeneration
 from openk3.data.chat import PlainChatTemplate, XTMLChatTemplate
-from openk3.data.vision import num_image_tokens, preprocess
+from openk3.data.vision import image_prompt, num_image_tokens, preprocess
 from openk3.serve.async_engine import AsyncLLM
 from openk3.serve.config import ServeConfig
 from openk3.serve.engine import LLM, LLMEngine
 from openk3.serve.request import SamplingParams
 from openk3.serve.scheduler import StepPlan
+from openk3.serve.protocol import chat_request
 from openk3.serve.server import build_app
 
 CKPT = PLAIN
@@ -122,7 +123,7 @@ def test_text_prompt_marks_images_with_media_pad(vlm):
     text_only = LLM(K3ForCausalLM.from_pretrained(CKPT, dtype=torch.float32), tokenizer=tok, **UNITS)
     with pytest.raises(ValueError, match="text-only"):
         text_only.generate({"prompt": text, "multi_modal_data": {"image": images}})
-    with pytest.raises(NotImplementedError, match="LLM.chat does not take image parts"):
+    with pytest.raises(ValueError, match="content.0.image_url: a data URL must carry base64"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}])
 
 
@@ -298,3 +299,35 @@ def test_text_only_server_and_plain_format_refuse_images(vlm):
             assert needle in info.value.body["message"]
             assert info.value.body["param"] == "messages.0.content.1" + (".image_url" if needle == "text-only" else "")
         llm.shutdown()
+
+
+def test_llm_chat_with_images_equals_the_full_multimodal_forward(vlm):
+    """`LLM.chat` takes the server's image parts: the data URLs are decoded, the XTML prompt gets one media block
+    per image, and the greedy tokens equal the full multimodal forward on that prompt (one placeholder per image,
+    expanded by the model). Bad parts are ValueErrors naming the part, as the server's 400s do."""
+    tok = bpe_tokenizer(512, 256, 258, 511)
+    template = XTMLChatTemplate(tok)
+    llm = LLM(vlm, tokenizer=tok, **dict(UNITS, max_model_len=512))
+    llm._chat_template = template  # the bare BPE has no chat format of its own
+    images = [_image("image0_100x70.png"), _image("image2_45x90.png")]
+    messages = _chat([_part(_data_url(_png(im))) for im in images], text="compare")
+    prompt = chat_request({"messages": messages}).encode(template, [image_prompt(im) for im in images])
+    assert prompt.count(PH) == 2
+    ref, clear = _reference(vlm, prompt, images, 6)
+    assert clear >= 2, "the chat prompt must have clear margins"
+    out = llm.chat(messages, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids[:clear] == ref[:clear]
+    rows = sum(num_image_tokens(g) for g in preprocess(images)[1])
+    assert len(out.prompt_token_ids) == len(prompt) - 2 + rows
+    bad = [([_part("https://example.com/cat.png")], "content.1.image_url: only data URLs"),
+           ([_part(_data_url(b"no image here"))], "content.1.image_url: .*not a recognised image")]  # fmt: skip
+    for parts, needle in bad:
+        with pytest.raises(ValueError, match=needle):
+            llm.chat(_chat(parts))
+    llm.max_image_pixels = 5000
+    with pytest.raises(ValueError, match="content.1.image_url: .*exceeds the limit"):
+        llm.chat(_chat([_part(_data_url(_png(images[0])))]))
+    text_only = LLM(K3ForCausalLM.from_pretrained(CKPT, dtype=torch.float32), tokenizer=tok, **UNITS)
+    text_only._chat_template = template
+    with pytest.raises(ValueError, match="content.1.image_url: this model is text-only"):
+        text_only.chat(messages)

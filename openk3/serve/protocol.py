@@ -242,12 +242,16 @@ class ImagePart:
     url: str
     path: str
 
-    def open(self, max_pixels: int):
-        """The PIL image of this part's `data:...;base64,...` URL. FieldError naming the part for any other URL
-        (nothing is fetched), bad base64, an image over `max_pixels`, or bytes no decoder reads."""
+    def check_url(self) -> None:
+        """FieldError naming the part unless its URL is a data URL: nothing is ever fetched."""
         if not self.url.startswith("data:"):
             raise FieldError(self.path, f"{self.path}: only data URLs (data:image/png;base64,...) are accepted; "
                                         f"nothing is fetched")  # fmt: skip
+
+    def open(self, max_pixels: int):
+        """The PIL image of this part's `data:...;base64,...` URL. FieldError naming the part for any other URL
+        (`check_url`), bad base64, an image over `max_pixels`, or bytes no decoder reads."""
+        self.check_url()
         header, sep, data = self.url.partition(",")
         if not sep or not header.lower().endswith(";base64"):
             raise FieldError(self.path, f"{self.path}: a data URL must carry base64 data (data:image/png;base64,...)")

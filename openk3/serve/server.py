@@ -321,17 +321,15 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
             raise APIError(400, f"messages: {len(images)} images exceed the limit of {max_images_per_request} per "
                                 f"request", param="messages")  # fmt: skip
         for part in images:
-            if not part.url.startswith("data:"):
-                raise APIError(400, f"{part.path}: only data URLs (data:image/png;base64,...) are accepted; the server "
-                                    f"fetches nothing", param=part.path)  # fmt: skip
+            try:
+                part.check_url()
+            except FieldError as err:
+                raise APIError(400, str(err), param=err.param) from err
 
     def prepare_chat(encode, images: list[ImagePart] = ()):
         try:
             if images:
-                try:
-                    pil = [part.open(max_image_pixels) for part in images]
-                except FieldError as err:
-                    raise APIError(400, str(err), param=err.param) from err
+                pil = [part.open(max_image_pixels) for part in images]
                 try:
                     inputs = engine.process_images(pil, max_image_pixels)
                 except ValueError as err:
@@ -339,6 +337,8 @@ def build_app(llm: AsyncLLM, model_name: str, template, max_body_bytes: int = DE
                 ids = encode([image_prompt(im) for im in pil])
                 return {"prompt_token_ids": ids, "multi_modal_data": {"image": inputs}}
             return {"prompt_token_ids": encode(None)}
+        except FieldError as err:  # an image part that cannot be opened: the 400 names the part
+            raise APIError(400, str(err), param=err.param) from err
         except TemplateRejected as err:
             raise APIError(400, str(err), param="messages") from err
         except TemplateFailed as err:

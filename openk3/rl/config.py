@@ -59,6 +59,9 @@ class RLConfig:
                                    "same update; bounds the trainer's peak memory)")  # fmt: skip
     kl_coef: float = flag(0.0, "KL to the reference (the policy at the start of RL); 0 disables")
     normalize_std: bool = flag(False, "divide group advantages by the group's reward std")
+    gap_check_every: int = flag(10, "measure the rollout-vs-train log-prob gap the other way too (without routing "
+                                "replay when it is on, with it when off: one extra no-grad forward over the batch, "
+                                "about a quarter of the update) on step 1 and every N steps after; 0 never")  # fmt: skip
     routing_replay: bool = flag(True, "train with the rollout's routed experts (R3); --no-routing-replay recomputes "
                                 "routes", both=True)  # fmt: skip
     max_off_policy_steps: int = flag(0, "bounded staleness: rollouts may use weights up to K updates old; "
@@ -97,7 +100,7 @@ class RLConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("copy_steps", "sft_steps", "max_off_policy_steps", "kl_coef", "weight_decay"):
+        for name in ("copy_steps", "sft_steps", "max_off_policy_steps", "kl_coef", "weight_decay", "gap_check_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0 or self.sft_lr <= 0:

@@ -21,7 +21,8 @@ weights to every rank's engine (`weight_sync.broadcast_weights`).
 Measured per step: reward; success per family (reward 1); response length; turns; tool calls; rollout tokens/s;
 the time shares of inference, sandboxes and training; staleness (trained version minus the version of each token);
 the clip fraction; the rollout-vs-train log-prob gap of this version's tokens (`logprob_gap`: with routing replay
-when it is on) and the gap the other way (`logprob_gap_replay` and `logprob_gap_natural` both, one extra forward).
+when it is on) and, on step 1 and every `gap_check_every` steps, the gap the other way (then `logprob_gap_replay`
+and `logprob_gap_natural` both; one extra forward, so not every step).
 """
 
 from __future__ import annotations
@@ -271,6 +272,7 @@ class RLTrainer:
             offsets.append(offsets[-1] + len(t.tokens) - 1)
         self.optimizer.zero_grad(set_to_none=True)
         logps, others, refs = [], [], []
+        check_other = cfg.gap_check_every > 0 and self.step % cfg.gap_check_every == 0  # steps 1, 1 + N, ...
         chunks = micro_batches([len(t.tokens) for t in trajs], cfg.micro_batch_tokens)
         for chunk in chunks:
             batch = [trajs[i] for i in chunk]
@@ -287,10 +289,10 @@ class RLTrainer:
                                   self.loss_config, rollout_logp_T=rollout_T[lo:hi], ref_logp_T=ref_T,
                                   normalizers=normalizers)  # fmt: skip
             loss.backward()
-            # The gap the other way, for the report, on the pre-update weights (the engine's copy).
-            with torch.no_grad():
-                other = None if cfg.routing_replay else [t.routed_experts for t in batch]
-                others.append(torch.cat(sequence_logprobs(self.engine.model, seqs, other)))
+            if check_other:  # the gap the other way, for the report, on the pre-update weights (the engine's copy)
+                with torch.no_grad():
+                    other = None if cfg.routing_replay else [t.routed_experts for t in batch]
+                    others.append(torch.cat(sequence_logprobs(self.engine.model, seqs, other)))
             logps.append(logp_T.detach())
             del logp_T, loss
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
@@ -302,9 +304,9 @@ class RLTrainer:
                                  ref_logp_T=torch.cat(refs) if refs else None)  # fmt: skip
         # The gap on this version's tokens only: older segments differ by the update, not by arithmetic.
         current = mask_T & (version_T == self.version)
-        other_T = torch.cat(others)
         ours, theirs = ("replay", "natural") if cfg.routing_replay else ("natural", "replay")
-        gaps = {ours: _gap(old_T, rollout_T, current), theirs: _gap(other_T, rollout_T, current)}
+        gaps = {ours: _gap(old_T, rollout_T, current), theirs: _gap(torch.cat(others), rollout_T, current) if others
+                else None}  # fmt: skip
         staleness = (self.version - version_T[mask_T]).float()
         return {**metrics, "grad_norm": float(grad_norm), "trained_sequences": len(trajs),
                 "micro_batches": len(chunks),

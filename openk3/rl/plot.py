@@ -57,7 +57,10 @@ def gap_figure(rows: list[dict], name: str):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if pts:
             # A gap of exactly 0 has no place on a log axis; show it at the axis floor.
-            ax.plot([s for s, _ in pts], [max(v, 1e-9) for _, v in pts], lw=1.2, label=label)
+            # Marked points when the series is sparse (the other gap is measured every --gap-check-every steps).
+            sparse = len(pts) * 2 < len(rows)
+            ax.plot([s for s, _ in pts], [max(v, 1e-9) for _, v in pts], lw=1.2, label=label,
+                    marker="o" if sparse else None, ms=4)  # fmt: skip
     ax.set_yscale("log")
     ax.set_xlabel("RL step")
     ax.set_ylabel("mean |log p_train - log p_rollout| per token")

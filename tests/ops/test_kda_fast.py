@@ -15,12 +15,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from openk3.ops.kda import chunk_bf16, kda_chunked, kda_chunked_tiles, kda_gate, kda_recurrent
-from openk3.ops.kda.chunk import _CHECKPOINT_TILES
+from openk3.ops.kda import chunk, chunk_bf16, kda_chunked, kda_chunked_tiles, kda_gate, kda_recurrent
+from openk3.ops.kda.chunk import _CHECKPOINT_TILES, lockstep_pays
 from openk3.ops.kda.chunk_bf16 import kda_chunked_bf16
 from openk3.utils import rel_rms
 
 RAGGED = [1, 15, 16, 17, 63, 64, 65, 100, 1000]
+PACKED_LENS = [[5, 16, 37], [1, 0, 64, 100, 17, 15, 65]]
+
+
+@pytest.fixture(params=["stream", "lockstep"])
+def layout(request, monkeypatch):
+    """Packed sequences forced into one layout: one tile stream, or padded lockstep rows (chunk.lockstep_pays)."""
+    monkeypatch.setattr(chunk, "_LOCKSTEP_MAX_WORK", 0.0 if request.param == "stream" else float("inf"))
+    return request.param
 
 
 def inputs(B, T, H=2, K=16, V=8, seed=0, dtype=torch.float32, g_value=None):
@@ -131,8 +139,8 @@ def assert_each_sequence_alone(op, x, h0, cu_seqlens, leaves, o, S, cot):
         assert torch.equal(leaves[5].grad[n : n + 1], alone[5].grad), n
 
 
-@pytest.mark.parametrize("seq_lens", [[5, 16, 37], [1, 0, 64, 100, 17, 15, 65]])
-def test_packed_is_bitwise_each_sequence_alone(seq_lens, one_thread):
+@pytest.mark.parametrize("seq_lens", PACKED_LENS)
+def test_packed_is_bitwise_each_sequence_alone(seq_lens, layout, one_thread):
     """Packing needs no padding to the longest sequence; each sequence is bitwise its own run (outputs, states,
     and every gradient), including an empty sequence (its final state is its initial state)."""
     x, h0, cu_seqlens = packed(seq_lens)
@@ -148,7 +156,35 @@ def test_packed_is_bitwise_each_sequence_alone(seq_lens, one_thread):
         assert torch.equal(S[empty], h0[empty]) and torch.equal(leaves[5].grad[empty], torch.ones_like(h0[empty]))
 
 
-def test_packed_gradients_match_recurrent():
+def test_lockstep_pays_only_for_several_sequences_of_similar_length():
+    assert lockstep_pays([0, 100, 210, 300], 16)  # 7 + 7 + 6 tiles -> 3 x 7 = 21 <= 2 x 20
+    assert not lockstep_pays([0, 300], 16)  # one sequence: the layouts are the same
+    assert not lockstep_pays([0, 0, 300, 300], 16)  # one non-empty sequence among empty ones
+    assert not lockstep_pays([0, 1000, 1010, 1020, 1030], 16)  # one long and three short: 4 x 63 > 2 x 66
+
+
+@pytest.mark.parametrize("g_value", [None, -5.0])
+def test_lockstep_and_stream_layouts_agree(g_value, monkeypatch):
+    """The two layouts of one packed batch give the same outputs, final states and gradients (to rounding), at
+    random and at saturated gates with large values."""
+    seq_lens = [37, 100, 64, 1, 90]
+    x, h0, cu_seqlens = packed(seq_lens)
+    x = list(inputs(1, sum(seq_lens), seed=30, g_value=g_value)) if g_value is not None else list(x)
+    x[2] = x[2] * (1e3 if g_value is not None else 1.0)
+    assert lockstep_pays(cu_seqlens.tolist(), 16)
+    results = []
+    for max_work in (0.0, float("inf")):
+        monkeypatch.setattr(chunk, "_LOCKSTEP_MAX_WORK", max_work)
+        leaves = [t.clone().requires_grad_() for t in (*x, h0)]
+        o, S = kda_chunked(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu_seqlens)
+        gen = torch.Generator().manual_seed(7)
+        ((o * torch.randn(o.shape, generator=gen)).sum() + (S * torch.randn(S.shape, generator=gen)).sum()).backward()
+        results.append([o, S] + [t.grad for t in leaves])
+    for stream, lockstep in zip(*results):
+        assert torch.isfinite(lockstep).all() and rel_rms(lockstep, stream) <= 1e-6
+
+
+def test_packed_gradients_match_recurrent(layout):
     x, h0, cu_seqlens = packed([7, 33, 64, 1])
     results = []
     for op in (kda_recurrent, kda_chunked):
@@ -273,8 +309,8 @@ def test_bf16_op_gradients_match_fp64_autograd_of_recurrent(T):
         assert rel_rms(fast[name], ref[name]) <= 1e-2, (name, rel_rms(fast[name], ref[name]))
 
 
-@pytest.mark.parametrize("seq_lens", [[5, 16, 37], [1, 0, 64, 100, 17, 15, 65]])
-def test_bf16_op_packed_is_bitwise_each_sequence_alone(seq_lens, one_thread):
+@pytest.mark.parametrize("seq_lens", PACKED_LENS)
+def test_bf16_op_packed_is_bitwise_each_sequence_alone(seq_lens, layout, one_thread):
     """Packed sequences start on 64-token chunks, so each is bitwise its own run (outputs, states, gradients), and
     every output is within 1e-2 of the token loop."""
     x, h0, cu_seqlens = packed(seq_lens, K=32, V=16)

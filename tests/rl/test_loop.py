@@ -130,6 +130,26 @@ def test_micro_batched_update_is_the_one_forward_update(init_dir, tmp_path, flee
     micro.close()
 
 
+def test_gap_the_other_way_is_measured_every_gap_check_every_steps(init_dir, tmp_path, fleet):
+    """The extra forward for the other gap runs on step 1 and every N steps after (None between); 0 never."""
+    from openk3.rl.loop import RLTrainer
+
+    for every, measured in ((3, [True, False, False, True]), (0, [False, False])):
+        trainer = RLTrainer(_config(init_dir, str(tmp_path / f"every{every}"), gap_check_every=every),
+                            log=lambda *a: None, fleet=fleet)  # fmt: skip
+        trajs = trainer._new_trajectories()
+        trainer.worker.run(trajs, trainer.version)
+        for step, expect in enumerate(measured):
+            trainer.step = step  # the update of step `step + 1`
+            row = trainer.update(trajs)
+            assert row["logprob_gap_replay"] == row["logprob_gap"]  # the gap it trains with, every step
+            assert (row["logprob_gap_natural"] is not None) == expect, (every, step)
+        trainer.worker.close(trajs)
+        trainer.close()
+    with pytest.raises(ValueError, match="gap-check-every"):
+        _config(init_dir, str(tmp_path / "bad"), gap_check_every=-1)
+
+
 def test_two_ranks_make_the_one_process_update(init_dir, tmp_path, fleet):
     from openk3.rl.loop import RLTrainer
 

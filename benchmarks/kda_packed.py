@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from report import machine_info, write_report
 
 from openk3.ops.kda import chunk
-from openk3.ops.kda.chunk import kda_chunked, lockstep_pays
+from openk3.ops.kda.chunk import kda_chunked, lockstep_pays, lockstep_work
 from openk3.rl.config import RLConfig
 
 H, K, V = 3, 64, 64  # the tiny preset's KDA heads (the RL and SFT policy)
@@ -115,10 +115,11 @@ def main(argv: list[str] | None = None) -> int:
                 times["stream"].append(timed(lens, 0.0, x))
                 times["lockstep"].append(timed(lens, float("inf"), x))
             chunk._LOCKSTEP_MAX_WORK = default  # what the op picks on its own
-            tiles = [-(-n // 16) for n in lens]
+            bounds = [0] + torch.tensor(lens).cumsum(0).tolist()
+            lockstep, stream = lockstep_work(bounds, 16)
             med = {k: statistics.median(v) for k, v in times.items()}
-            rows.append({"batch": name, "tokens": T, "sequences": len(lens), "work_ratio": len(lens) * max(tiles) / sum(tiles),
-                         "chosen": "lockstep" if lockstep_pays([0] + torch.tensor(lens).cumsum(0).tolist(), 16) else "stream",
+            rows.append({"batch": name, "tokens": T, "sequences": len(lens), "work_ratio": lockstep / stream,
+                         "chosen": "lockstep" if lockstep_pays(bounds, 16) else "stream",
                          "stream_s": med["stream"], "lockstep_s": med["lockstep"],
                          "speedup": med["stream"] / med["lockstep"]})  # fmt: skip
             print(rows[-1], flush=True)

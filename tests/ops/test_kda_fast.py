@@ -141,8 +141,8 @@ def assert_each_sequence_alone(op, x, h0, cu_seqlens, leaves, o, S, cot):
 
 @pytest.mark.parametrize("seq_lens", PACKED_LENS)
 def test_packed_is_bitwise_each_sequence_alone(seq_lens, layout, one_thread):
-    """Packing needs no padding to the longest sequence; each sequence is bitwise its own run (outputs, states,
-    and every gradient), including an empty sequence (its final state is its initial state)."""
+    """In either layout (one tile stream, or rows padded to the longest) each packed sequence is bitwise its own
+    run (outputs, states, and every gradient), including an empty sequence (its final state is its initial state)."""
     x, h0, cu_seqlens = packed(seq_lens)
     leaves = [t.clone().requires_grad_() for t in (*x, h0)]
     o, S = kda_chunked(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu_seqlens)
@@ -169,8 +169,9 @@ def test_lockstep_and_stream_layouts_agree(g_value, monkeypatch):
     random and at saturated gates with large values."""
     seq_lens = [37, 100, 64, 1, 90]
     x, h0, cu_seqlens = packed(seq_lens)
-    x = list(inputs(1, sum(seq_lens), seed=30, g_value=g_value)) if g_value is not None else list(x)
-    x[2] = x[2] * (1e3 if g_value is not None else 1.0)
+    if g_value is not None:  # saturated gates, values 1e3 times larger
+        x = list(inputs(1, sum(seq_lens), seed=30, g_value=g_value))
+        x[2] = x[2] * 1e3
     assert lockstep_pays(cu_seqlens.tolist(), 16)
     results = []
     for max_work in (0.0, float("inf")):

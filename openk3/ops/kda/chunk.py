@@ -103,13 +103,20 @@ def run_chunked(forward, align, q, k, v, g, beta, initial_state, scale, cu_seqle
     return o, (final if output_final_state else None)
 
 
+def lockstep_work(bounds: list[int], C: int) -> tuple[int, int]:
+    """(lockstep tiles, stream tiles) of packed sequences: N · the longest sequence's tiles, and the sum of theirs."""
+    tiles = [-(-(b - a) // C) for a, b in itertools.pairwise(bounds)]
+    return len(tiles) * max(tiles), sum(tiles)
+
+
 def lockstep_pays(bounds: list[int], C: int) -> bool:
     """Whether packed sequences should run as padded lockstep rows: the state pass then walks the longest
     sequence's tiles once, with all sequences' states as one batch, instead of every sequence's tiles in turn; worth
-    it while the padded work stays within `_LOCKSTEP_MAX_WORK` times the packed work (benchmarks/kda_packed.py)."""
-    tiles = [-(-(b - a) // C) for a, b in itertools.pairwise(bounds)]
-    packed = sum(tiles)
-    return len(tiles) > 1 and packed > max(tiles) and len(tiles) * max(tiles) <= _LOCKSTEP_MAX_WORK * packed
+    it for two or more non-empty sequences while the padded work stays within `_LOCKSTEP_MAX_WORK` times the packed
+    work (benchmarks/kda_packed.py)."""
+    lockstep, stream = lockstep_work(bounds, C)
+    longest = lockstep // (len(bounds) - 1)
+    return stream > longest and lockstep <= _LOCKSTEP_MAX_WORK * stream
 
 
 def _run_lockstep(forward, align, q, k, v, g, beta, initial_state, scale, bounds, C, lower_bound,

@@ -7,10 +7,12 @@
    extra forward every step makes), averaged over the RL steps;
 3. prefix caching across turns: the trained policy's episodes on the files family, greedy, with the engine's prefix
    cache on and off (the same tokens, asserted): prefill tokens per episode, the ratio;
-4. rollout throughput (generated tokens/s) and the share of step time spent in inference, sandboxes and training.
+4. rollout throughput (generated tokens/s) and the share of step time spent in inference, sandboxes and training;
+5. the held-out episodes by outcome at the start and after RL (`failure_breakdown`): guesses, tool errors, and
+   what a clean call got wrong.
 
     python benchmarks/rl.py (or k3 bench rl) [--copy-steps 400] [--sft-steps 200] [--guess-share 0.7] [--lr 1e-4]
-        [--rl-minutes 30] [--task calculator,files] [--init WARM_RUN] [--out benchmarks/results/rl-cpu]
+        [--rl-minutes 30] [--kl-coef 0] [--task calculator,files] [--init WARM_RUN] [--out benchmarks/results/rl-cpu]
 """
 
 from __future__ import annotations
@@ -61,6 +63,43 @@ def prefix_cache_ratio(trainer: RLTrainer, episodes: int = 16) -> dict:
     return out
 
 
+def failure_breakdown(trainer: RLTrainer, tasks: int) -> dict:
+    """Why held-out episodes fail: the greedy test episodes (the evaluation's) classified per family and task kind as
+    success, no tool call (a guess), a tool error, or, for a clean call, what the transcript shows: calculator -
+    the task's expression is (not) in the call (the numbers copied right or not); files - the answer is (not) in an
+    observation (the right tool call, then the value miscopied or the wrong line picked, or a wrong call)."""
+    trajs = [trainer.worker.start(get_family(f).generate("test", i), group=-1, sample=i)
+             for f in trainer.cfg.families for i in range(tasks)]  # fmt: skip
+    trainer.worker.run(trajs, trainer.version, temperature=0.0)
+    out: dict[str, dict[str, int]] = {}
+    for t in trajs:
+        task, text = t.task, trainer.tokenizer.decode(t.tokens[t.prompt_len :])
+        if t.reward >= 1.0:
+            kind = "success"
+        elif t.tool_calls == 0:
+            kind = "no tool call"
+        elif t.tool_errors:
+            kind = "tool error"
+        elif task.family == "calculator":
+            kind = "right expression, answer miscopied" if task.meta["expression"] in text else "wrong expression"
+        elif task.family == "files":
+            kind = "answer in an observation, not copied" if task.answer in text else "wrong call"
+        else:
+            kind = "failed"
+        key = task.family + (f"/{task.meta['kind']}" if task.family == "files" else "")
+        out.setdefault(key, {}).setdefault(kind, 0)
+        out[key][kind] += 1
+    return {k: dict(sorted(v.items())) for k, v in sorted(out.items())}
+
+
+def breakdown_table(before: dict, after: dict) -> list[str]:
+    rows = ["| family / kind | outcome | at the start | after RL |", "|---|---|---|---|"]
+    for key in sorted(set(before) | set(after)):
+        for kind in sorted(set(before.get(key, {})) | set(after.get(key, {}))):
+            rows.append(f"| {key} | {kind} | {before.get(key, {}).get(kind, 0)} | {after.get(key, {}).get(kind, 0)} |")
+    return rows
+
+
 def warm_start_of(run: str) -> tuple[float, dict]:
     """An earlier run's warm start: the copy and SFT phases' wall time (each phase's last line in sft.jsonl) and its
     settings (copy_steps, sft_steps, sft_guess_share from rl_config.json)."""
@@ -86,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=RLConfig.lr, help="k3 rl --lr")
     p.add_argument("--groups-per-step", type=int, default=RLConfig.groups_per_step)
     p.add_argument("--group-size", type=int, default=RLConfig.group_size)
+    p.add_argument("--kl-coef", type=float, default=RLConfig.kl_coef, help="k3 rl --kl-coef")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default=None, help="start RL from this earlier run's warm start (skips copy and SFT; "
                    "its steps and guess share are reported)")
@@ -97,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
     cfg = RLConfig(task=args.task, out=args.run, steps=args.max_steps, init=args.init,
                    copy_steps=0 if args.init else args.copy_steps, sft_steps=0 if args.init else args.sft_steps,
-                   sft_guess_share=0.0 if args.init else args.guess_share, lr=args.lr,
+                   sft_guess_share=0.0 if args.init else args.guess_share, lr=args.lr, kl_coef=args.kl_coef,
                    groups_per_step=args.groups_per_step, group_size=args.group_size, seed=args.seed, eval_tasks=args.eval_tasks,
                    eval_every=args.eval_every, save_every=10**6, progress=False)  # fmt: skip
     trainer = RLTrainer(cfg)
@@ -110,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         sft_s = time.perf_counter() - t0
         trainer.save()  # the warm start (step 0): `--init RUN` starts another RL run from it
     start = trainer._write({"step": 0, **trainer.evaluate()})["eval_success"]
+    breakdown_start = failure_breakdown(trainer, args.eval_tasks)
     rows, t0 = [], time.perf_counter()
     while trainer.step < cfg.steps and time.perf_counter() - t0 < args.rl_minutes * 60:
         row = trainer.train_step()
@@ -124,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         final = trainer._write({"step": trainer.step, **trainer.evaluate()})["eval_success"]
     gain = {f: final[f] - start[f] for f in start}
     trainer.save()
+    breakdown_end = failure_breakdown(trainer, args.eval_tasks)
     caching = prefix_cache_ratio(trainer)
     trainer.close()
     plots = plot_rl_run(args.run, os.path.dirname(args.out) or ".")
@@ -158,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "sft_steps": args.sft_steps, "sft_s": sft_s,
         "rl_s": rl_s, "rl_steps": trainer.step, "success_start": start, "success_end": final, "success_gain": gain,
         "logprob_gap_replay": gap_replay, "logprob_gap_natural": gap_natural, "logprob_gap_max": gap_max,
-        "prefix_caching": caching, "rollout_tokens_per_s": mean("rollout_tokens_per_s"),
+        "failures_start": breakdown_start, "failures_end": breakdown_end, "prefix_caching": caching, "rollout_tokens_per_s": mean("rollout_tokens_per_s"),
         "inference_share": mean("inference_share"), "sandbox_share": mean("sandbox_share"),
         "train_share": mean("train_share"), "step_s": mean("step_s"), "targets": targets,
     }  # fmt: skip
@@ -172,10 +214,12 @@ def main(argv: list[str] | None = None) -> int:
            + (f" (run earlier; RL started from its checkpoint `{args.init}`)" if args.init else "") + ";"),
           (f"- RL: {trainer.step} steps in {rl_s:.0f} s ({mean('step_s'):.1f} s/step), {cfg.groups_per_step} groups x "
            f"{cfg.group_size} samples, lr {cfg.lr:g}, {cfg.loss} ({cfg.eps_low}/{cfg.eps_high}), {cfg.correction}, "
-           "routing replay;"),
+           "routing replay" + (f", KL to the warm start x {cfg.kl_coef:g}" if cfg.kl_coef else "") + ";"),
           (f"- held-out success (greedy, {args.eval_tasks} test tasks per family): start {start}, end {final}, "
            f"gain {gain};"),
           f"- prefix caching on files episodes: {json.dumps(caching)};",
+          "", f"## Held-out episodes by outcome (greedy, {args.eval_tasks} test tasks per family)", "",
+          *breakdown_table(breakdown_start, breakdown_end),
           "", "Curves: `rl-cpu-reward.png`, `rl-cpu-logprob_gap.png`.", ""]  # fmt: skip
     write_report(result, args.out, "\n".join(md))
     return 0

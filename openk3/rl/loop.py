@@ -56,6 +56,7 @@ from openk3.train.optim import param_groups
 from openk3.utils import release_freed_memory
 
 SUCCESS = 1.0  # a reward of 1 is a solved task
+REFERENCE = "reference"  # the run's KL reference (the policy at the start of RL), a release-format folder
 
 
 def engine_config(cfg: RLConfig, max_seqs: int) -> ServeConfig:
@@ -88,9 +89,9 @@ class RLTrainer:
         # The router biases stay as they are during RL (no balancing); the Balancer only carries the checkpoint
         # format's balancing state, so `k3 generate/serve/export --ckpt RUN` read RL runs like training runs.
         self.balancer = Balancer(self.model, "none")
+        # The KL reference: the policy at the start of RL (after the warm start), made at the first update and kept in
+        # `out/reference` so a resumed run reads the same weights back (`_kl_reference`).
         self.reference = None
-        if cfg.kl_coef > 0:
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.loss_config = LossConfig(kind=cfg.loss, eps_low=cfg.eps_low, eps_high=cfg.eps_high, average=cfg.average,
                                       correction=None if cfg.correction == "none" else cfg.correction,
                                       kl_coef=cfg.kl_coef)  # fmt: skip
@@ -281,9 +282,9 @@ class RLTrainer:
             routes = [t.routed_experts for t in batch] if cfg.routing_replay else None
             logp_T = torch.cat(sequence_logprobs(self.model, seqs, routes))
             ref_T = None
-            if self.reference is not None:
+            if cfg.kl_coef > 0:
                 with torch.no_grad():
-                    ref_T = torch.cat(sequence_logprobs(self.reference, seqs, routes))
+                    ref_T = torch.cat(sequence_logprobs(self._kl_reference(), seqs, routes))
                 refs.append(ref_T)
             loss, _ = policy_loss(logp_T, logp_T.detach(), adv_T[lo:hi], mask_T[lo:hi], seq_T[lo:hi] - chunk[0],
                                   self.loss_config, rollout_logp_T=rollout_T[lo:hi], ref_logp_T=ref_T,
@@ -315,6 +316,28 @@ class RLTrainer:
                 "staleness": float(staleness.mean()) if staleness.numel() else 0.0,
                 "advantage_abs_mean": float(adv_T[mask_T].abs().mean()) if mask_T.any() else 0.0,
                 **adv_metrics}  # fmt: skip
+
+    def _kl_reference(self):
+        """The frozen policy the KL term pulls towards: the weights at the start of RL, so after the warm start (a
+        copy made before it would be the untrained model). The first update saves it to `out/reference` (a release
+        folder, written whole then renamed) and a resumed run loads it from there, not from its resumed weights."""
+        if self.reference is None:
+            path = os.path.join(self.cfg.out, REFERENCE)
+            if os.path.exists(path):
+                self.reference, _ = load_model(path, dtype=torch.float32)
+            else:
+                if self.step > 0:
+                    raise FileNotFoundError(f"{path} is missing: the KL reference of a run past step 0 (the policy "
+                                            f"at its RL start) cannot be rebuilt; start a new run for --kl-coef")  # fmt: skip
+                self.reference = copy.deepcopy(self.model)
+                for param in self.reference.parameters():
+                    param.grad = None
+                if self.sync.is_main:
+                    tmp = path + ".tmp"
+                    self.reference.save_pretrained(tmp)
+                    os.replace(tmp, path)
+            self.reference.eval().requires_grad_(False)
+        return self.reference
 
     @property
     def eval_episodes(self) -> int:

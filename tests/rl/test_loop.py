@@ -71,6 +71,39 @@ def test_run_metrics_resume_and_plot(init_dir, tmp_path, fleet):
     assert {os.path.basename(p) for p in written} == {"reward.png", "logprob_gap.png"}
 
 
+def test_kl_reference_is_the_policy_at_the_start_of_rl_and_resumes(init_dir, tmp_path, fleet):
+    """--kl-coef pulls towards the weights RL starts from: after the warm start, not the model before it (the KL at
+    step 1, measured on the pre-update weights, is then 0); the reference is saved with the run and is the start's
+    weights in the file and in the resumed trainer, and two steps with a stop between equal two in one go, bit for
+    bit (KL and weights)."""
+    from openk3.rl.loop import REFERENCE, RLTrainer
+    from openk3.train.checkpoint import load_model
+
+    warm = {"sft_steps": 2, "copy_steps": 2, "sft_guess_share": 0.5, "kl_coef": 0.5, "eval_every": 100}
+    runs = {}
+    for name, parts in (("whole", [{}]), ("split", [{"stop_after": 1}, {"resume": True}])):
+        out = str(tmp_path / name)
+        for kw in parts:
+            trainer = RLTrainer(_config(init_dir, out, steps=2, **warm, **kw), log=lambda *a: None, fleet=fleet)
+            if trainer.step == 0:
+                trainer.warm_start()
+                start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+            trainer.run()
+            trainer.close()
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f if "kl" in line]
+        runs[name] = (rows, trainer.model.state_dict(), start)
+        reference, _ = load_model(os.path.join(out, REFERENCE), dtype=torch.float32)
+        assert all(torch.equal(v, start[k]) for k, v in reference.state_dict().items())
+        assert all(torch.equal(v, start[k]) for k, v in trainer.reference.state_dict().items())
+        assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-7)
+    fresh = K3ForCausalLM.from_pretrained(init_dir).state_dict()
+    assert any(not torch.equal(v, start[k]) for k, v in fresh.items())  # the warm start moved the weights
+    (whole_rows, whole_w, _), (split_rows, split_w, _) = runs["whole"], runs["split"]
+    assert [r["kl"] for r in whole_rows] == [r["kl"] for r in split_rows]
+    assert all(torch.equal(v, split_w[k]) for k, v in whole_w.items())
+
+
 def _rank(rank: int, world: int, init_dir: str, out: str):
     from openk3.rl.loop import RLTrainer
     from openk3.rl.weight_sync import Sync

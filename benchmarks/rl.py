@@ -24,6 +24,7 @@ import os
 import shutil
 import sys
 import time
+from collections import Counter, defaultdict
 
 import torch
 
@@ -32,7 +33,7 @@ from report import machine_info, targets_table, write_report
 
 from openk3.rl.config import RLConfig
 from openk3.rl.envs import get_family
-from openk3.rl.loop import RLTrainer, engine_config
+from openk3.rl.loop import SUCCESS, RLTrainer, engine_config
 from openk3.rl.plot import plot_rl_run
 from openk3.rl.rollout import RolloutWorker
 from openk3.serve.engine import LLMEngine
@@ -63,18 +64,15 @@ def prefix_cache_ratio(trainer: RLTrainer, episodes: int = 16) -> dict:
     return out
 
 
-def failure_breakdown(trainer: RLTrainer, tasks: int) -> dict:
-    """Why held-out episodes fail: the greedy test episodes (the evaluation's) classified per family and task kind as
-    success, no tool call (a guess), a tool error, or, for a clean call, what the transcript shows: calculator -
-    the task's expression is (not) in the call (the numbers copied right or not); files - the answer is (not) in an
-    observation (the right tool call, then the value miscopied or the wrong line picked, or a wrong call)."""
-    trajs = [trainer.worker.start(get_family(f).generate("test", i), group=-1, sample=i)
-             for f in trainer.cfg.families for i in range(tasks)]  # fmt: skip
-    trainer.worker.run(trajs, trainer.version, temperature=0.0)
-    out: dict[str, dict[str, int]] = {}
-    for t in trajs:
-        task, text = t.task, trainer.tokenizer.decode(t.tokens[t.prompt_len :])
-        if t.reward >= 1.0:
+def failure_breakdown(episodes: list, tokenizer) -> dict:
+    """Why held-out episodes fail (the evaluation's greedy episodes), per family and task kind: success, no tool call
+    (a guess), a tool error, or, for a clean call, what the transcript shows: calculator - the task's expression is
+    (not) in the call (the numbers copied right or not); files - the answer is (not) in an observation (the right
+    tool call, then the value miscopied or the wrong line picked, or a wrong call)."""
+    out: dict[str, Counter] = defaultdict(Counter)
+    for t in episodes:
+        task, text = t.task, tokenizer.decode(t.tokens[t.prompt_len :])
+        if t.reward >= SUCCESS:
             kind = "success"
         elif t.tool_calls == 0:
             kind = "no tool call"
@@ -86,9 +84,7 @@ def failure_breakdown(trainer: RLTrainer, tasks: int) -> dict:
             kind = "answer in an observation, not copied" if task.answer in text else "wrong call"
         else:
             kind = "failed"
-        key = task.family + (f"/{task.meta['kind']}" if task.family == "files" else "")
-        out.setdefault(key, {}).setdefault(kind, 0)
-        out[key][kind] += 1
+        out[task.family + (f"/{task.meta['kind']}" if task.family == "files" else "")][kind] += 1
     return {k: dict(sorted(v.items())) for k, v in sorted(out.items())}
 
 
@@ -149,23 +145,26 @@ def main(argv: list[str] | None = None) -> int:
         trainer.warm_start()
         sft_s = time.perf_counter() - t0
         trainer.save()  # the warm start (step 0): `--init RUN` starts another RL run from it
-    start = trainer._write({"step": 0, **trainer.evaluate()})["eval_success"]
-    breakdown_start = failure_breakdown(trainer, args.eval_tasks)
+    episodes = trainer.held_out_episodes()  # the evaluation's episodes, also classified by outcome
+    start = trainer._write({"step": 0, **trainer.evaluate(episodes)})["eval_success"]
+    breakdown_start = failure_breakdown(episodes, trainer.tokenizer)
     rows, t0 = [], time.perf_counter()
     while trainer.step < cfg.steps and time.perf_counter() - t0 < args.rl_minutes * 60:
         row = trainer.train_step()
         if trainer.step % cfg.eval_every == 0:
-            row.update(trainer.evaluate())
+            episodes = trainer.held_out_episodes()
+            row.update(trainer.evaluate(episodes))
         rows.append(trainer._write(row))
         print(f"step {trainer.step}: reward {row['reward']:.3f} gap {row['logprob_gap']:.2e} "
               f"{time.perf_counter() - t0:.0f} s", flush=True)  # fmt: skip
     rl_s = time.perf_counter() - t0
     final = rows[-1]["eval_success"] if rows and "eval_success" in rows[-1] else None
     if final is None:
-        final = trainer._write({"step": trainer.step, **trainer.evaluate()})["eval_success"]
+        episodes = trainer.held_out_episodes()
+        final = trainer._write({"step": trainer.step, **trainer.evaluate(episodes)})["eval_success"]
     gain = {f: final[f] - start[f] for f in start}
     trainer.save()
-    breakdown_end = failure_breakdown(trainer, args.eval_tasks)
+    breakdown_end = failure_breakdown(episodes, trainer.tokenizer)  # the last evaluation's, at the final weights
     caching = prefix_cache_ratio(trainer)
     trainer.close()
     plots = plot_rl_run(args.run, os.path.dirname(args.out) or ".")
@@ -200,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         "sft_steps": args.sft_steps, "sft_s": sft_s,
         "rl_s": rl_s, "rl_steps": trainer.step, "success_start": start, "success_end": final, "success_gain": gain,
         "logprob_gap_replay": gap_replay, "logprob_gap_natural": gap_natural, "logprob_gap_max": gap_max,
-        "failures_start": breakdown_start, "failures_end": breakdown_end, "prefix_caching": caching, "rollout_tokens_per_s": mean("rollout_tokens_per_s"),
+        "failures_start": breakdown_start, "failures_end": breakdown_end, "prefix_caching": caching,
+        "rollout_tokens_per_s": mean("rollout_tokens_per_s"),
         "inference_share": mean("inference_share"), "sandbox_share": mean("sandbox_share"),
         "train_share": mean("train_share"), "step_s": mean("step_s"), "targets": targets,
     }  # fmt: skip

@@ -389,8 +389,9 @@ class RLTrainer:
         }
 
     # ---- evaluation --------------------------------------------------------------------------------------------
-    def evaluate(self) -> dict:
-        """Held-out success per family: greedy episodes on the test split (the same tasks every time)."""
+    def held_out_episodes(self) -> list[Trajectory]:
+        """This rank's share of the held-out evaluation, run: greedy episodes on the test split's first `eval_tasks`
+        tasks per family (the same tasks every time)."""
         cfg = self.cfg
         trajs = []
         for name in cfg.families:
@@ -398,6 +399,12 @@ class RLTrainer:
             for i in range(self.sync.rank, cfg.eval_tasks, self.sync.world):
                 trajs.append(self.worker.start(family.generate("test", i), group=-1, sample=i))
         self.worker.run(trajs, self.version, temperature=0.0)
+        return trajs
+
+    def evaluate(self, episodes: list[Trajectory] | None = None) -> dict:
+        """Held-out success per family, over `episodes` (ones `held_out_episodes` ran, for a caller that also reads
+        them: the RL benchmark) or a fresh run of them."""
+        trajs = self.held_out_episodes() if episodes is None else episodes
         results = self.sync.gather_results([(t.task.family, t.reward) for t in trajs])
         by_family = defaultdict(list)
         for family, reward in results:

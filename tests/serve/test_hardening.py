@@ -339,9 +339,18 @@ def test_a_template_syntax_error_is_one_line_naming_file_and_line(tmp_path, caps
 
 
 # ---- 5. disconnects ------------------------------------------------------------------------------------------------
-def test_a_dropped_non_streaming_request_is_aborted(served):
+def test_a_dropped_non_streaming_request_is_aborted(served, monkeypatch):
     aborts = served.llm.metrics.requests.labels(outcome="abort")
     before = aborts._value.get()
+    # Each engine step takes at least 20 ms, so 200 tokens take >= 4 s on any machine and the client's 0.5 s timeout
+    # always drops the request mid-generation (unslowed, a fast CI machine finished all 200 within 0.5 s).
+    step = served.llm.engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(served.llm.engine, "step", slow_step)
     body = {"prompt": "tell me everything", "max_tokens": 200, "temperature": 0}
     with pytest.raises(httpx2.TimeoutException):
         httpx2.post(f"{served.base}/v1/completions", json=body, timeout=0.5)

@@ -155,9 +155,17 @@ def test_32_concurrent_streams_complete_and_free_everything(served):
     assert not any(r for r in llm.engine.manager.blocks.ref)  # every page reference returned (cached pages may stay)
 
 
-def test_disconnect_mid_stream_aborts_and_frees(served):
+def test_disconnect_mid_stream_aborts_and_frees(served, monkeypatch):
     base, llm = served
     before = llm.metrics.requests.labels(outcome="abort")._value.get()
+    # >= 10 ms a step: 300 tokens take >= 3 s on any machine, so the disconnect always lands mid-generation.
+    step = llm.engine.step
+
+    def slow_step():
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", slow_step)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 300,
             "temperature": 0, "stream": True}  # fmt: skip
     with httpx2.Client(timeout=30) as http, http.stream("POST", f"{base}/v1/chat/completions", json=body) as resp:

@@ -11,8 +11,8 @@
 5. the held-out episodes by outcome at the start and after RL (`failure_breakdown`): guesses, tool errors, and
    what a clean call got wrong.
 
-    python benchmarks/rl.py (or k3 bench rl) [--copy-steps 400] [--sft-steps 200] [--guess-share 0.7] [--lr 1e-4]
-        [--rl-minutes 30] [--kl-coef 0] [--task calculator,files] [--init WARM_RUN] [--out benchmarks/results/rl-cpu]
+    python benchmarks/rl.py (or k3 bench rl) [--copy-steps 400] [--sft-steps 500] [--guess-share 0.9] [--lr 1e-4]
+        [--rl-minutes 30] [--kl-coef 0.1] [--task calculator,files] [--init WARM_RUN] [--out benchmarks/results/rl-cpu]
 """
 
 from __future__ import annotations
@@ -112,16 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="calculator,files")
     p.add_argument("--copy-steps", type=int, default=400, help="k3 rl --copy-steps")
-    p.add_argument("--sft-steps", type=int, default=200)
+    p.add_argument("--sft-steps", type=int, default=500)
     p.add_argument("--rl-minutes", type=float, default=30.0)
     p.add_argument("--max-steps", type=int, default=400)
     p.add_argument("--eval-tasks", type=int, default=32)
     p.add_argument("--eval-every", type=int, default=10)
-    p.add_argument("--guess-share", type=float, default=0.7, help="k3 rl --sft-guess-share")
+    p.add_argument("--guess-share", type=float, default=0.9, help="k3 rl --sft-guess-share")
     p.add_argument("--lr", type=float, default=RLConfig.lr, help="k3 rl --lr")
     p.add_argument("--groups-per-step", type=int, default=RLConfig.groups_per_step)
     p.add_argument("--group-size", type=int, default=RLConfig.group_size)
-    p.add_argument("--kl-coef", type=float, default=RLConfig.kl_coef, help="k3 rl --kl-coef")
+    p.add_argument("--kl-coef", type=float, default=0.1, help="k3 rl --kl-coef")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default=None, help="start RL from this earlier run's warm start (skips copy and SFT; "
                    "its steps and guess share are reported)")

@@ -11,7 +11,7 @@
 5. the held-out episodes by outcome at the start and after RL (`failure_breakdown`): guesses, tool errors, and
    what a clean call got wrong.
 
-    python benchmarks/rl.py (or k3 bench rl) [--copy-steps 400] [--sft-steps 500] [--guess-share 0.9] [--lr 1e-4]
+    python benchmarks/rl.py (or k3 bench rl) [--copy-steps 1600] [--sft-steps 500] [--guess-share 0.9] [--lr 1e-4]
         [--rl-minutes 30] [--kl-coef 0.1] [--task calculator,files] [--init WARM_RUN] [--out benchmarks/results/rl-cpu]
 """
 
@@ -111,7 +111,7 @@ def warm_start_of(run: str) -> tuple[float, dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="calculator,files")
-    p.add_argument("--copy-steps", type=int, default=400, help="k3 rl --copy-steps")
+    p.add_argument("--copy-steps", type=int, default=1600, help="k3 rl --copy-steps")
     p.add_argument("--sft-steps", type=int, default=500)
     p.add_argument("--rl-minutes", type=float, default=30.0)
     p.add_argument("--max-steps", type=int, default=400)

@@ -65,6 +65,18 @@ def run_to_end(engine: LLMEngine, check: bool = True) -> dict[str, list[int]]:
     return {rid: out.outputs[0].token_ids for rid, out in run_outputs(engine, check).items()}
 
 
+def slow_steps(monkeypatch, engine: LLMEngine, seconds: float) -> None:
+    """Make every engine step take at least `seconds` (undone with `monkeypatch`), so a request of n tokens lasts at
+    least n * seconds on any machine: disconnect tests then always drop it mid-generation, however fast the CPU."""
+    step = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+
+
 class LogitTap:
     """Records the fp32 logits the runner returns, per request id, in order."""
 

@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serve_helpers import (
-    bpe_tokenizer, make_engine, random_prompt, run_outputs, run_to_end, serve_on_loopback, tiny_model,
+    bpe_tokenizer, make_engine, random_prompt, run_outputs, run_to_end, serve_on_loopback, slow_steps, tiny_model,
 )  # fmt: skip
 
 from openk3.data.chat import JinjaChatTemplate, Message, PlainChatTemplate, load_chat_template
@@ -342,15 +342,9 @@ def test_a_template_syntax_error_is_one_line_naming_file_and_line(tmp_path, caps
 def test_a_dropped_non_streaming_request_is_aborted(served, monkeypatch):
     aborts = served.llm.metrics.requests.labels(outcome="abort")
     before = aborts._value.get()
-    # Each engine step takes at least 20 ms, so 200 tokens take >= 4 s on any machine and the client's 0.5 s timeout
-    # always drops the request mid-generation (unslowed, a fast CI machine finished all 200 within 0.5 s).
-    step = served.llm.engine.step
-
-    def slow_step():
-        time.sleep(0.02)
-        return step()
-
-    monkeypatch.setattr(served.llm.engine, "step", slow_step)
+    # 200 tokens take >= 4 s, so the client's 0.5 s timeout always drops the request mid-generation (unslowed, a
+    # fast CI machine finished all 200 within 0.5 s).
+    slow_steps(monkeypatch, served.llm.engine, 0.02)
     body = {"prompt": "tell me everything", "max_tokens": 200, "temperature": 0}
     with pytest.raises(httpx2.TimeoutException):
         httpx2.post(f"{served.base}/v1/completions", json=body, timeout=0.5)

@@ -14,7 +14,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serve_helpers import bpe_tokenizer, make_engine, serve_on_loopback, tiny_model
+from serve_helpers import bpe_tokenizer, make_engine, serve_on_loopback, slow_steps, tiny_model
 from starlette.testclient import TestClient
 
 from openk3.data.chat import Message, PlainChatTemplate
@@ -158,14 +158,7 @@ def test_32_concurrent_streams_complete_and_free_everything(served):
 def test_disconnect_mid_stream_aborts_and_frees(served, monkeypatch):
     base, llm = served
     before = llm.metrics.requests.labels(outcome="abort")._value.get()
-    # >= 10 ms a step: 300 tokens take >= 3 s on any machine, so the disconnect always lands mid-generation.
-    step = llm.engine.step
-
-    def slow_step():
-        time.sleep(0.01)
-        return step()
-
-    monkeypatch.setattr(llm.engine, "step", slow_step)
+    slow_steps(monkeypatch, llm.engine, 0.01)  # 300 tokens take >= 3 s: the disconnect lands mid-generation
     body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 300,
             "temperature": 0, "stream": True}  # fmt: skip
     with httpx2.Client(timeout=30) as http, http.stream("POST", f"{base}/v1/chat/completions", json=body) as resp:

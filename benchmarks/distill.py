@@ -18,6 +18,15 @@ short, so the benchmark can be continued after an interruption.
 
     python benchmarks/distill.py (or k3 bench distill) [--copy-steps 400] [--cold-steps 120] [--teacher-steps 100]
         [--steps 30] [--methods opd,rl,topk,offpolicy] [--work runs/bench-distill]
+
+`--from-rl RUN` replaces step 1 with a finished RL run (`k3 rl` or benchmarks/rl.py): its first checkpoint (the
+warm start, before any RL step) is the student's init and its last checkpoint is the teacher of each of its task
+families, so the student starts exactly where that RL run started and "RL from the same start" is measured twice:
+by the run itself and by `--method rl` here. The methods then run with that RL run's settings (learning rate,
+groups, sampling budgets, KL to the start, held-out tasks), not this script's defaults:
+
+    python benchmarks/distill.py --from-rl runs/bench-c1600 --work runs/bench-distill-rl \
+        --out benchmarks/results/distill-rl-expert
 """
 
 from __future__ import annotations
@@ -107,19 +116,40 @@ def build_recipe(args, keys: list[TeacherKey], times: dict) -> dict[TeacherKey, 
     return teachers
 
 
-def run_method(args, method: str, teachers: dict[TeacherKey, str]) -> list[dict]:
-    """`k3 distill --method METHOD` from the cold start (resumed if cut short); its metrics rows."""
+# What --from-rl takes from the RL run's rl_config.json.
+RL_RUN_SETTINGS = ("lr", "groups_per_step", "group_size", "max_turns", "max_tokens", "max_tokens_per_turn",
+                   "kl_coef", "eval_tasks")  # fmt: skip
+
+
+def from_rl_run(run: str) -> tuple[str, dict[TeacherKey, str], dict]:
+    """(the student's init: the run's first checkpoint, {family key: the run's last checkpoint}, the run's
+    settings of RL_RUN_SETTINGS) of a finished `k3 rl` run folder."""
+    config_file, ckpts = os.path.join(run, "rl_config.json"), os.path.join(run, "checkpoints")
+    rl_cfg, latest = _load(config_file), os.path.join(ckpts, "latest")
+    if rl_cfg is None or not os.path.exists(latest):
+        raise SystemExit(f"--from-rl {run}: not a finished k3 rl run (needs rl_config.json and checkpoints/latest)")
+    with open(latest, encoding="utf-8") as f:
+        last = os.path.join(ckpts, f.read().strip())
+    first = os.path.join(ckpts, "step-00000000")  # saved before the first RL step; keep_checkpoints may prune it
+    if not os.path.isdir(first):
+        raise SystemExit(f"--from-rl {run}: its warm start {first} was pruned (k3 rl --keep-checkpoints)")
+    if first == last:
+        raise SystemExit(f"--from-rl {run}: the run has one checkpoint; the teacher must be a later one than the start")
+    return first, {k: last for k in _keys(rl_cfg["task"])}, {k: rl_cfg[k] for k in RL_RUN_SETTINGS}
+
+
+def run_method(args, method: str, teachers: dict[TeacherKey, str], init: str, settings: dict) -> list[dict]:
+    """`k3 distill --method METHOD` from `init` (resumed if cut short) with `settings` (DistillConfig fields);
+    its metrics rows."""
     out = os.path.join(args.work, f"run-{method}")
     metrics = os.path.join(out, "metrics.jsonl")
     rows = _rows(metrics)
     if rows and rows[-1].get("step") == args.steps and "eval_success" in rows[-1]:
         return rows
-    cfg = DistillConfig(teachers=",".join(f"{k}={p}" for k, p in sorted(teachers.items())), out=out,
-                        init=os.path.join(args.work, "cold"), steps=args.steps, method=method, seed=args.seed,
-                        lr=args.lr, groups_per_step=args.groups, group_size=args.group_size, max_turns=4,
-                        max_tokens=256, max_tokens_per_turn=128, eval_tasks=args.eval_tasks,
-                        eval_every=args.eval_every, save_every=5, resume=os.path.exists(metrics),
-                        tau_anneal_steps=args.tau_anneal_steps)  # fmt: skip
+    cfg = DistillConfig(teachers=",".join(f"{k}={p}" for k, p in sorted(teachers.items())), out=out, init=init,
+                        steps=args.steps, method=method, seed=args.seed, eval_every=args.eval_every, save_every=5,
+                        resume=os.path.exists(metrics), tau_anneal_steps=args.tau_anneal_steps,
+                        **settings)  # fmt: skip
     t0 = time.perf_counter()
     trainer = DistillTrainer(cfg, log=lambda *a, **k: print(f"[{method}]", *a, flush=True))
     try:
@@ -174,13 +204,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tau-anneal-steps", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/distill-cpu")
+    p.add_argument("--from-rl", default=None, metavar="RUN",
+                   help="student = this RL run's warm start, teachers = its final policy (module docstring)")  # fmt: skip
     args = p.parse_args(argv)
     machine = machine_info()
-    keys = _keys(args.keys)
     os.makedirs(args.work, exist_ok=True)
     times_file = os.path.join(args.work, "times.json")
     times = _load(times_file) or {}
-    teachers = build_recipe(args, keys, times)
+    if args.from_rl:
+        init, teachers, settings = from_rl_run(args.from_rl)
+        keys = sorted(teachers)
+        args.eval_tasks = settings["eval_tasks"]
+    else:
+        keys = _keys(args.keys)
+        init, teachers = os.path.join(args.work, "cold"), build_recipe(args, keys, times)
+        settings = {"lr": args.lr, "groups_per_step": args.groups, "group_size": args.group_size, "max_turns": 4,
+                    "max_tokens": 256, "max_tokens_per_turn": 128, "eval_tasks": args.eval_tasks}  # fmt: skip
     with open(times_file, "w") as f:
         json.dump(times, f, indent=1)
 
@@ -194,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
             for key, path in sorted(teachers.items()):
                 model, folder = load_model(path, dtype=torch.float32)
                 teacher_eval.update(evaluate_policy(model.eval(), load_tokenizer(folder, model.text_config), [key],
-                                                    args.eval_tasks, fleet, tagged=False))  # fmt: skip
+                                                    args.eval_tasks, fleet, tagged=False,
+                                                    max_turns=settings["max_turns"], max_tokens=settings["max_tokens"],
+                                                    max_tokens_per_turn=settings["max_tokens_per_turn"]))  # fmt: skip
                 print(f"teacher {key}: {teacher_eval[str(key)]}", flush=True)
         with open(teacher_eval_file, "w") as f:
             json.dump(teacher_eval, f, indent=1)
@@ -202,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for method in args.methods.split(","):
         t0 = time.perf_counter()
-        runs[method] = run_method(args, method, teachers)
+        runs[method] = run_method(args, method, teachers, init, settings)
         times.setdefault(f"run_{method}_s", time.perf_counter() - t0)
     with open(times_file, "w") as f:
         json.dump(times, f, indent=1)
@@ -210,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     curves = {m: [(r["step"], _score(r)) for r in rows if "eval_success" in r] for m, rows in runs.items()}
     finals = {m: [r for r in rows if "eval_success" in r][-1] for m, rows in runs.items()}
     start = next(r for r in runs[next(iter(runs))] if "eval_success" in r)
-    result: dict = {"machine": machine, "args": vars(args), "times_s": times, "teachers": teacher_eval,
+    result: dict = {"machine": machine, "args": vars(args), "settings": settings, "times_s": times,
+                    "teachers": teacher_eval,
                     "student_start": {"eval_success": start["eval_success"], "eval_length": start["eval_length"]},
                     "final": {m: {"eval_success": r["eval_success"], "eval_length": r["eval_length"],
                                   "score": _score(r)} for m, r in finals.items()},
@@ -253,11 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"Machine: {machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}; load before: "
               f"{machine['load_before']}.")  # fmt: skip
     teachers_title = f"## Teachers (own context, greedy, {args.eval_tasks} test tasks each)"
-    lines = ["# Multi-teacher distillation on CPU (`python benchmarks/distill.py`)", "", header, "",
+    title = "# Multi-teacher distillation on CPU (`python benchmarks/distill.py"
+    title += f" --from-rl {args.from_rl}`): from an RL expert" if args.from_rl else "`)"
+    lines = [title, "", header, "",
              *targets_table(targets, "issue 15"), "", teachers_title, "", "| key | success | length |",
              "|---|---|---|"]  # fmt: skip
     lines += [f"| {k} | {v['success']:.0%} | {v['length']:.0f} |" for k, v in sorted(teacher_eval.items())]
-    lines += ["", f"## Student (effort-tagged), held-out success / length after {args.steps} steps", "",
+    tagged = " (effort-tagged)" if any(k.effort for k in keys) else ""
+    lines += ["", f"## Student{tagged}, held-out success / length after {args.steps} steps", "",
               "| method | " + " | ".join(sorted(start["eval_success"])) + " | mean |",
               "|---|" + "---|" * (len(start["eval_success"]) + 1)]  # fmt: skip
     for name, row in [("cold start", start), *finals.items()]:
@@ -266,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "## Curves (step: mean held-out success)", ""]
     lines += [f"- {m}: " + " · ".join(f"{s}: {v:.0%}" for s, v in c) for m, c in curves.items()]
     lines += ["", "## Times", "", *(f"- {k}: {v:.0f} s" for k, v in sorted(times.items()))]
+    source = f"`--from-rl {args.from_rl}`: init {init}" if args.from_rl else f"the recipe's cold start ({init})"
+    lines += ["", "## Settings", "", f"- student: {source}; teachers: "
+              + ", ".join(f"{k}={v}" for k, v in sorted(teachers.items())),
+              "- every method: " + ", ".join(f"{k} {v}" for k, v in settings.items())
+              + f", {args.steps} steps, held-out evaluation every {args.eval_every}"]  # fmt: skip
     write_report(result, args.out, "\n".join(lines) + "\n")
     return 0
 

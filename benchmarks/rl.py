@@ -51,7 +51,9 @@ def prefix_cache_ratio(trainer: RLTrainer, episodes: int = 16) -> dict:
                                snapshots=trainer.snapshots, max_tokens_per_turn=cfg.max_tokens_per_turn)  # fmt: skip
         family = get_family("files")
         # Four samples per task, as a GRPO group: turns resume from their own earlier turns, samples from the prompt.
-        trajs = [worker.start(family.generate("test", i), group=i, sample=s) for i in range(episodes // 4) for s in range(4)]
+        trajs = [
+            worker.start(family.generate("test", i), group=i, sample=s) for i in range(episodes // 4) for s in range(4)
+        ]
         worker.run(trajs, version=0, temperature=0.0)
         tokens[caching] = [t.tokens for t in trajs]
         out["cached" if caching else "uncached"] = {
@@ -123,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=RLConfig.group_size)
     p.add_argument("--kl-coef", type=float, default=0.1, help="k3 rl --kl-coef")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--init", default=None, help="start RL from this earlier run's warm start (skips copy and SFT; "
-                   "its steps and guess share are reported)")
+    p.add_argument(
+        "--init",
+        default=None,
+        help="start RL from this earlier run's warm start (skips copy and SFT; its steps and guess share are reported)",
+    )
     p.add_argument("--run", default="runs/bench-rl", help="the run folder (replaced)")
     p.add_argument("--out", default="benchmarks/results/rl-cpu")
     args = p.parse_args(argv)
@@ -139,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer = RLTrainer(cfg)
     if args.init:  # the warm start ran in the init's run: its time and settings from that run's files
         sft_s, warm = warm_start_of(args.init)
-        args.copy_steps, args.sft_steps, args.guess_share = (warm[k] for k in ("copy_steps", "sft_steps", "sft_guess_share"))
+        args.copy_steps, args.sft_steps, args.guess_share = (
+            warm[k] for k in ("copy_steps", "sft_steps", "sft_guess_share")
+        )
     else:
         t0 = time.perf_counter()
         trainer.warm_start()

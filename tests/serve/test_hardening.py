@@ -20,7 +20,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serve_helpers import (
-    bpe_tokenizer, make_engine, random_prompt, run_outputs, run_to_end, serve_on_loopback, slow_steps, tiny_model,
+    bpe_tokenizer,
+    make_engine,
+    random_prompt,
+    run_outputs,
+    run_to_end,
+    serve_on_loopback,
+    slow_steps,
+    tiny_model,
 )  # fmt: skip
 
 from openk3.data.chat import JinjaChatTemplate, Message, PlainChatTemplate, load_chat_template
@@ -249,6 +256,7 @@ def test_a_20mb_body_is_a_413_at_once_while_health_stays_fast(served):
 
 def test_a_body_without_content_length_is_limited_as_it_streams():
     with _Served(max_body_bytes=4096) as s:
+
         def chunks():
             for _ in range(64):
                 yield b" " * 1024
@@ -278,8 +286,11 @@ def test_tokenizing_a_long_prompt_does_not_block_the_event_loop(served):
 
 # ---- 4. chat templates ---------------------------------------------------------------------------------------------
 ATTACKS = {
-    "nested_loop": ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", 500,
-                    "did not finish"),
+    "nested_loop": (
+        "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+        500,
+        "did not finish",
+    ),
     "huge_range": ("{% for i in range(10**9) %}x{% endfor %}", 500, "Range too big"),
     "sandbox": ("{{ messages.__class__.__mro__ }}", 500, "unsafe"),
     "huge_string": ("{{ 'x' * 10**10 }}", 500, "memory"),
@@ -360,6 +371,7 @@ def test_a_dropped_non_streaming_request_is_aborted(served, monkeypatch):
 # ---- 9. admission control ------------------------------------------------------------------------------------------
 def test_100_simultaneous_requests_with_max_waiting_8_get_429s():
     with _Served(_engine(max_num_seqs=2), max_waiting=8) as s:
+
         async def flood():
             async with httpx2.AsyncClient(base_url=s.base, timeout=120,
                                           limits=httpx2.Limits(max_connections=100)) as client:  # fmt: skip

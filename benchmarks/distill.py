@@ -19,7 +19,7 @@ short, so the benchmark can be continued after an interruption.
     python benchmarks/distill.py (or k3 bench distill) [--copy-steps 400] [--cold-steps 120] [--teacher-steps 100]
         [--steps 30] [--methods opd,rl,topk,offpolicy] [--work runs/bench-distill]
 
-`--from-rl RUN` replaces step 1 with a finished RL run (`k3 rl` or benchmarks/rl.py): its first checkpoint (the
+`--from-rl RUN` replaces step 1 with a finished RL run (`k3 rl` or benchmarks/rl.py): its step-0 checkpoint (the
 warm start, before any RL step) is the student's init and its last checkpoint is the teacher of each of its task
 families, so the student starts exactly where that RL run started and "RL from the same start" is measured twice:
 by the run itself and by `--method rl` here. The methods then run with that RL run's settings (learning rate,
@@ -122,8 +122,8 @@ RL_RUN_SETTINGS = ("lr", "groups_per_step", "group_size", "max_turns", "max_toke
 
 
 def from_rl_run(run: str) -> tuple[str, dict[TeacherKey, str], dict]:
-    """(the student's init: the run's first checkpoint, {family key: the run's last checkpoint}, the run's
-    settings of RL_RUN_SETTINGS) of a finished `k3 rl` run folder."""
+    """(the student's init: the run's step-0 checkpoint, saved before its first RL step; {family key: the run's
+    last checkpoint}; the run's settings of RL_RUN_SETTINGS) of a finished `k3 rl` run folder."""
     config_file, ckpts = os.path.join(run, "rl_config.json"), os.path.join(run, "checkpoints")
     rl_cfg, latest = _load(config_file), os.path.join(ckpts, "latest")
     if rl_cfg is None or not os.path.exists(latest):

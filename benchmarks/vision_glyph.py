@@ -87,17 +87,17 @@ class CNNClassifier(nn.Module):
             nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
             nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.AdaptiveMaxPool2d(1), nn.Flatten(),
-            nn.Linear(128, len(LETTERS)),
         )  # fmt: skip
+        self.head = nn.Linear(128, len(LETTERS))
 
     def features(self, images: list[Image.Image]) -> torch.Tensor:
         pixels, _ = preprocess(images)  # the tower's normalised pixels, [B * 16, 3, 14, 14] for 56x56 images
         n, g = len(images), SIDE // 14
         x = pixels.view(n, g, g, 3, 14, 14).permute(0, 3, 1, 4, 2, 5).reshape(n, 3, SIDE, SIDE)
-        return self.net[:-1](x)
+        return self.net(x)
 
     def forward(self, images: list[Image.Image]) -> torch.Tensor:
-        return self.net[-1](self.features(images))
+        return self.head(self.features(images))
 
 
 def build(name: str, seed: int) -> nn.Module:
@@ -133,8 +133,7 @@ def train(name: str, args, bw: bool) -> dict:
         if step % 50 == 0:
             with torch.no_grad():
                 features = model.features([x for x, _ in held])
-                logits = model.head(features) if hasattr(model, "head") else model.net[-1](features)
-                acc = (logits.argmax(-1) == held_labels).float().mean().item()
+                acc = (model.head(features).argmax(-1) == held_labels).float().mean().item()
             curve.append((step, acc, loss.item()))
             shares.append((step, image_share(features)))
             print(f"{name}{' bw' if bw else ''}: step {step}, loss {loss.item():.3f}, held-out {acc:.1%}", flush=True)

@@ -1,4 +1,4 @@
-"""benchmarks/distill.py --from-rl: the student starts at the RL run's first checkpoint, each of its families is
+"""benchmarks/distill.py --from-rl: the student starts at the RL run's step-0 checkpoint, each of its families is
 taught by its last checkpoint, and the methods run with the RL run's settings."""
 
 import json

@@ -108,7 +108,7 @@ def test_train_flags_come_from_train_config(tmp_path, capsys):
              "--eval-batches", "--save-every", "--keep-checkpoints", "--max-nonfinite", "--sample-tokens", "--dp",
              "--ep", "--cp", "--out", "--resume", "--activation-checkpointing", "--balance-exact-thresholds",
              "--no-progress", "--threads", "--vision-kinds", "--vision-eval-examples", "--contrastive-steps",
-             "--contrastive-lr"}  # fmt: skip
+             "--contrastive-lr", "--vision-lr"}  # fmt: skip
     assert set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", help_text)) == flags | {"--help", "--nproc"}
     for choices in ("{k3,medium,small,tiny,tiny-vl}", "{bpe,byte}", "{quantile,sign,none}", "{wsd,cosine}", "{adamw,muon}",
                     "{auto,fp32,bf16}"):  # fmt: skip

@@ -94,6 +94,10 @@ class TrainConfig:
     contrastive_steps: int = flag(0, "vision: CLIP-style InfoNCE pre-training steps of the tower before joint "
                                   "training (the report's alternative to from-scratch; 0: from scratch)")  # fmt: skip
     contrastive_lr: float = flag(1e-3, "vision: peak learning rate of the contrastive stage")
+    # At 1e-3 and above the tower's from-scratch init collapses to one output vector (docs/notes.md); the text
+    # model trains at 3e-3.
+    vision_lr: float | None = flag(None, "vision: peak learning rate of the tower and projector (vision_tower.*, "
+                                   "mm_projector.*), on the same schedule (default: --lr)")  # fmt: skip
     # A property of the machine, not the run: --resume on another machine picks its own default.
     threads: int | None = flag(None, "torch CPU threads per process (default: OMP_NUM_THREADS, else the physical "
                                "cores available / processes on this machine)", launch=True)  # fmt: skip
@@ -124,6 +128,8 @@ class TrainConfig:
                                  "sharded yet")  # fmt: skip
             if self.vision_eval_examples <= 0:
                 raise ValueError(f"--vision-eval-examples must be positive, got {self.vision_eval_examples}")
+        if self.vision_lr is not None and self.vision_lr <= 0:
+            raise ValueError(f"--vision-lr must be positive, got {self.vision_lr}")
         if self.contrastive_lr <= 0:
             raise ValueError(f"--contrastive-lr must be positive, got {self.contrastive_lr}")
         if self.contrastive_steps < 0 or (self.contrastive_steps and not self.vision):
@@ -162,7 +168,7 @@ class TrainConfig:
 
     @property
     def warmup_steps(self) -> int:
-        return int(round(self.warmup * self.steps))
+        return round(self.warmup * self.steps)
 
     @property
     def tokens_per_step(self) -> int:

@@ -22,18 +22,24 @@ import math
 import torch
 from torch import nn
 
+from openk3.model.hf import VISION_PREFIXES
 from openk3.train.config import TrainConfig
 
 _NO_DECAY_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "_res_proj.weight")
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+def param_groups(model: nn.Module, weight_decay: float, vision_lr_scale: float = 1.0) -> list[dict]:
+    """[decay, no_decay] groups, and with `vision_lr_scale` != 1 the same two for the tower and projector, each
+    group carrying `lr_scale` (the trainer sets a group's lr to lr_at(step) * lr_scale; empty groups dropped)."""
+    groups: dict[tuple[bool, bool], list] = {(v, d): [] for v in (False, True) for d in (True, False)}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (no_decay if p.dim() < 2 or name.endswith(_NO_DECAY_SUFFIXES) else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        vision = vision_lr_scale != 1.0 and name.startswith(VISION_PREFIXES)
+        groups[vision, not (p.dim() < 2 or name.endswith(_NO_DECAY_SUFFIXES))].append(p)
+    return [{"params": params, "weight_decay": weight_decay if decay else 0.0,
+             "lr_scale": vision_lr_scale if vision else 1.0}
+            for (vision, decay), params in groups.items() if params or not vision]  # fmt: skip
 
 
 _ADAMW_MATRICES = ("gate.weight", "_res_proj.weight")  # the router and the AttnRes pseudo-queries
@@ -46,13 +52,14 @@ def is_muon_param(name: str, p: torch.Tensor) -> bool:
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig):
     # foreach=False keeps the update order fixed so resumed and uninterrupted runs match bit for bit.
+    scale = cfg.vision_lr / cfg.lr if cfg.vision_lr is not None else 1.0
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                 eps=1e-8, foreach=False)  # fmt: skip
+        return torch.optim.AdamW(param_groups(model, cfg.weight_decay, scale), lr=cfg.lr,
+                                 betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=False)  # fmt: skip
     muon = [p for name, p in model.named_parameters() if p.requires_grad and is_muon_param(name, p)]
     chosen = {id(p) for p in muon}
     rest = [group | {"params": [p for p in group["params"] if id(p) not in chosen]}
-            for group in param_groups(model, cfg.weight_decay)]  # fmt: skip
+            for group in param_groups(model, cfg.weight_decay, scale)]  # fmt: skip
     return MuonWithAdamW(muon, rest, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
 
 
@@ -122,7 +129,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     if cfg.schedule == "cosine":
         progress = (step - warm) / max(1, cfg.steps - warm)
         return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    decay_steps = max(1, int(round(cfg.decay_fraction * cfg.steps)))
+    decay_steps = max(1, round(cfg.decay_fraction * cfg.steps))
     decay_start = cfg.steps - decay_steps
     if step < decay_start:
         return peak

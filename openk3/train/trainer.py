@@ -162,7 +162,7 @@ class Trainer:
         micro_rows = rows // cfg.accum_steps
         lr = lr_at(step, cfg)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # lr_scale: --vision-lr (optim.param_groups)
         start = time.perf_counter()
         batches = [self.data.next_train_batch(micro_rows, seq_len) for _ in range(cfg.accum_steps)]
         n_labels = sum(b.num_loss_tokens() for b in batches)

@@ -193,6 +193,34 @@ def test_clip_loss_by_hand():
     assert acc == 1.0  # image 1 picks caption 1 or 2, both "b"
 
 
+def test_vision_lr_scales_only_the_tower_and_projector(tmp_path):
+    """--vision-lr: a first AdamW step moves every parameter with a gradient by its group's lr (|m/sqrt(v)| = 1, no
+    weight decay here), so the largest move is lr_at(0) in the text model and lr_at(0) * vision_lr / lr in the tower
+    and projector (up to the fp32 rounding of the stored parameters); without the flag there is one lr for all."""
+    from openk3.train.optim import lr_at
+
+    def largest_moves(**kw):
+        trainer = Trainer(_cfg(tmp_path / str(len(kw)), steps=1, weight_decay=0.0, **kw), log=SILENT)
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.train_step()
+        moves = {"vision": 0.0, "text": 0.0}
+        for n, p in trainer.model.named_parameters():
+            if not p.requires_grad:  # the router's correction bias: load balancing's, not the optimizer's
+                continue
+            part = "vision" if n.startswith(("vision_tower.", "mm_projector.")) else "text"
+            moves[part] = max(moves[part], float((p.detach() - before[n]).abs().max()))
+        return moves, lr_at(0, trainer.cfg)
+
+    moves, lr0 = largest_moves(lr=1e-3, vision_lr=1e-4)
+    assert moves["text"] == pytest.approx(lr0, rel=1e-2)
+    assert moves["vision"] == pytest.approx(lr0 / 10, rel=1e-2)
+    moves, lr0 = largest_moves(lr=1e-3)
+    assert moves["text"] == pytest.approx(lr0, rel=1e-2) and moves["vision"] == pytest.approx(lr0, rel=1e-2)
+    # With Muon the tower and projector stay on AdamW (no decoder-layer matrices), in their scaled groups.
+    moves, lr0 = largest_moves(lr=1e-3, vision_lr=1e-4, optimizer="muon")
+    assert moves["vision"] == pytest.approx(lr0 / 10, rel=1e-2)
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
@@ -202,6 +230,7 @@ def test_clip_loss_by_hand():
         ({"preset": "tiny-vl", "dp": 2}, "one process"),
         ({"preset": "tiny", "contrastive_steps": 3}, "--contrastive-steps"),
         ({"preset": "tiny-vl", "contrastive_lr": 0.0}, "--contrastive-lr"),
+        ({"preset": "tiny-vl", "vision_lr": -1e-4}, "--vision-lr"),
     ],
 )
 def test_config_errors_name_the_flag(tmp_path, kw, match):

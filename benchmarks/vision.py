@@ -127,7 +127,8 @@ def run_stability(args, common) -> tuple[list[dict], dict]:
                                      **{**common, "vision_kinds": args.stability_kinds})  # fmt: skip
             rows = read_metrics(run)
             curves[f"{name} seed {seed}"] = rows
-            entry = {"init": name, "seed": seed, "seconds": seconds, "steps": args.stability_steps,
+            entry = {"init": name, "seed": seed, "seconds": seconds, "steps": args.stability_steps, "lr": args.lr,
+                     "vision_lr": args.vision_lr,
                      "kinds": args.stability_kinds, "contrastive_lr": args.contrastive_lr,
                      "contrastive_steps": contrastive, "tower": grad_stats([r["grad_norm_tower"] for r in rows]),
                      "model": grad_stats([r["grad_norm"] for r in rows]), "exact": last["vision_exact"],
@@ -158,6 +159,7 @@ def render(result: dict) -> tuple[list[dict], str]:
                        and text["exact_blank"] <= text["chance"] + 0.05})  # fmt: skip
         md += ["## From scratch", "",
                (f"`k3 train --preset tiny-vl --steps {main['steps']} --batch-size {c['batch_size']} --lr {c['lr']:g} "
+               + (f"--vision-lr {c['vision_lr']:g} " if c.get("vision_lr") else "") +
                f"--vision-kinds {c['vision_kinds']} --vision-eval-examples {c['vision_eval_examples']}`: "
                f"{main['seconds']:.0f} s ({main['seconds'] / main['steps']:.2f} s/step, evaluations included)."), "",
                "| kind | exact match | CER | blank image: exact | blank: CER | chance (best constant answer) |",
@@ -173,15 +175,19 @@ def render(result: dict) -> tuple[list[dict], str]:
     runs = result.get("stability")
     if runs:
         a = runs[0]
+        out = result.get("args", {}).get("stability", {}).get("out", "vision-cpu")
+        figure = os.path.basename(out) + "-grad_norm.png"
         targets.append({"target": "contrastive-init vs from-scratch table, same data/steps/seeds, >= 2 seeds each",
                         "measured": f"{len(runs)} runs of {a['steps']} joint steps (table below)",
                         "met": len({r["seed"] for r in runs}) >= 2})  # fmt: skip
         md += ["## Stability: contrastive tower init vs from scratch", "",
-               (f"{a['steps']} joint steps per run on the kinds {a['kinds']}; the contrastive runs first pre-train the "
+               (f"{a['steps']} joint steps per run on the kinds {a['kinds']}, lr {a.get('lr', 3e-3):g}"
+               + (f" (tower and projector {a['vision_lr']:g})" if a.get("vision_lr") else "")
+               + f"; the contrastive runs first pre-train the "
                f"tower for {max(r['contrastive_steps'] for r in runs)} InfoNCE steps (lr {a['contrastive_lr']:g}) on "
                "the same stream. Spikes: steps whose "
                f"gradient norm exceeds 3x the median of the {SPIKE_WINDOW} steps before. Norms are before clipping. "
-               "Figure: `vision-cpu-grad_norm.png` (`k3 plot RUN_A RUN_B ...` draws the same)."), "",
+               f"Figure: `{figure}` (`k3 plot RUN_A RUN_B ...` draws the same)."), "",
                ("| init | seed | tower norm: mean | p99 | spikes | model norm: mean | p99 | spikes | final exact | "
                 "blank | InfoNCE end (loss, retrieval) |"),
                "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -218,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--main-evals", type=int, default=3, help="evaluations during it (each ~20 s of the 15 minutes)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--vision-lr", type=float, default=None, help="k3 train --vision-lr (default: --lr)")
     p.add_argument("--kinds", default="text", help="k3 train --vision-kinds")
     p.add_argument("--eval-examples", type=int, default=300)
     p.add_argument("--stability-steps", type=int, default=300, help="joint steps per stability run")
@@ -237,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             result = json.load(f)
     result["machine"] = machine_info()
     result.setdefault("args", {}).update({part: vars(args) for part in parts})
-    common = {"batch_size": args.batch_size, "lr": args.lr, "vision_kinds": args.kinds,
-                  "vision_eval_examples": args.eval_examples}  # fmt: skip
+    common = {"batch_size": args.batch_size, "lr": args.lr, "vision_lr": args.vision_lr, "vision_kinds": args.kinds,
+              "vision_eval_examples": args.eval_examples}  # fmt: skip
     if "main" in parts:
         result["from_scratch"] = run_main(args, common)
     if "stability" in parts:

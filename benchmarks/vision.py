@@ -127,8 +127,7 @@ def run_stability(args, common) -> tuple[list[dict], dict]:
                                      **{**common, "vision_kinds": args.stability_kinds})  # fmt: skip
             rows = read_metrics(run)
             curves[f"{name} seed {seed}"] = rows
-            entry = {"init": name, "seed": seed, "seconds": seconds, "steps": args.stability_steps, "lr": args.lr,
-                     "vision_lr": args.vision_lr,
+            entry = {"init": name, "seed": seed, "seconds": seconds, "steps": args.stability_steps,
                      "kinds": args.stability_kinds, "contrastive_lr": args.contrastive_lr,
                      "contrastive_steps": contrastive, "tower": grad_stats([r["grad_norm_tower"] for r in rows]),
                      "model": grad_stats([r["grad_norm"] for r in rows]), "exact": last["vision_exact"],
@@ -175,14 +174,14 @@ def render(result: dict) -> tuple[list[dict], str]:
     runs = result.get("stability")
     if runs:
         a = runs[0]
-        out = result.get("args", {}).get("stability", {}).get("out", "vision-cpu")
-        figure = os.path.basename(out) + "-grad_norm.png"
+        settings = result["args"]["stability"]  # this part's command line (main() stores it)
+        figure = os.path.basename(settings["out"]) + "-grad_norm.png"
         targets.append({"target": "contrastive-init vs from-scratch table, same data/steps/seeds, >= 2 seeds each",
                         "measured": f"{len(runs)} runs of {a['steps']} joint steps (table below)",
                         "met": len({r["seed"] for r in runs}) >= 2})  # fmt: skip
         md += ["## Stability: contrastive tower init vs from scratch", "",
-               (f"{a['steps']} joint steps per run on the kinds {a['kinds']}, lr {a.get('lr', 3e-3):g}"
-               + (f" (tower and projector {a['vision_lr']:g})" if a.get("vision_lr") else "")
+               (f"{a['steps']} joint steps per run on the kinds {a['kinds']}, lr {settings['lr']:g}"
+               + (f" (tower and projector {settings['vision_lr']:g})" if settings.get("vision_lr") else "")
                + f"; the contrastive runs first pre-train the "
                f"tower for {max(r['contrastive_steps'] for r in runs)} InfoNCE steps (lr {a['contrastive_lr']:g}) on "
                "the same stream. Spikes: steps whose "

@@ -197,6 +197,7 @@ def test_vision_lr_scales_only_the_tower_and_projector(tmp_path):
     """--vision-lr: a first AdamW step moves every parameter with a gradient by its group's lr (|m/sqrt(v)| = 1, no
     weight decay here), so the largest move is lr_at(0) in the text model and lr_at(0) * vision_lr / lr in the tower
     and projector (up to the fp32 rounding of the stored parameters); without the flag there is one lr for all."""
+    from openk3.model.hf import VISION_PREFIXES
     from openk3.train.optim import lr_at
 
     def largest_moves(**kw):
@@ -207,7 +208,7 @@ def test_vision_lr_scales_only_the_tower_and_projector(tmp_path):
         for n, p in trainer.model.named_parameters():
             if not p.requires_grad:  # the router's correction bias: load balancing's, not the optimizer's
                 continue
-            part = "vision" if n.startswith(("vision_tower.", "mm_projector.")) else "text"
+            part = "vision" if n.startswith(VISION_PREFIXES) else "text"
             moves[part] = max(moves[part], float((p.detach() - before[n]).abs().max()))
         return moves, lr_at(0, trainer.cfg)
 

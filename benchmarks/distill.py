@@ -90,7 +90,8 @@ def build_recipe(args, keys: list[TeacherKey], times: dict) -> dict[TeacherKey, 
         bar, tick = _bar("copy", args.copy_steps)
         copy_pretrain(model, tokenizer, keys, args.copy_steps, args.seed, progress=tick)
         bar.close()
-        stream = RecipeStream(keys, tokenizer, args.seed, student=True, guess_share=args.guess_share)
+        stream = RecipeStream(keys, tokenizer, args.seed, student=True, guess_share=args.guess_share,
+                              long_share=args.long_share)  # fmt: skip
         bar, tick = _bar("cold start", args.cold_steps)
         supervised(model, lambda: stream.batch(args.batch), args.cold_steps, args.sft_lr, progress=tick)
         bar.close()
@@ -192,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold-steps", type=int, default=120, help="SFT steps of the cold start on the mixture")
     p.add_argument("--teacher-steps", type=int, default=100, help="SFT steps of each teacher on its own data")
     p.add_argument("--guess-share", type=float, default=0.5, help="tool-free guesses in the cold start's SFT")
+    p.add_argument(
+        "--long-share",
+        type=float,
+        default=0.75,
+        help="cold start: share of effort-tagged demonstrations reasoning at the top effort",
+    )
     p.add_argument("--batch", type=int, default=12, help="demonstrations per SFT step")
     p.add_argument("--sft-lr", type=float, default=2e-3)
     p.add_argument("--methods", default=",".join(METHODS))
@@ -199,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--groups", type=int, default=4, help="tasks per step (round-robin over the keys)")
     p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=384, help="generated tokens per episode")
+    p.add_argument("--max-tokens-per-turn", type=int, default=192)
     p.add_argument("--eval-tasks", type=int, default=24, help="held-out tasks per key")
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--tau-anneal-steps", type=int, default=15)
@@ -219,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         keys = _keys(args.keys)
         init, teachers = os.path.join(args.work, "cold"), build_recipe(args, keys, times)
         settings = {"lr": args.lr, "groups_per_step": args.groups, "group_size": args.group_size, "max_turns": 4,
-                    "max_tokens": 256, "max_tokens_per_turn": 128, "eval_tasks": args.eval_tasks}  # fmt: skip
+                    "max_tokens": args.max_tokens, "max_tokens_per_turn": args.max_tokens_per_turn,
+                    "eval_tasks": args.eval_tasks}  # fmt: skip
     with open(times_file, "w") as f:
         json.dump(times, f, indent=1)
 
@@ -315,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "## Settings", "", f"- student: {source}; teachers: "
               + ", ".join(f"{k}={v}" for k, v in sorted(teachers.items())),
               "- every method: " + ", ".join(f"{k} {v}" for k, v in settings.items())
-              + f", {args.steps} steps, held-out evaluation every {args.eval_every}"]  # fmt: skip
+              + f", {args.steps} steps, held-out evaluation every {args.eval_every}",
+              "- run: `python benchmarks/distill.py " + " ".join(sys.argv[1:] if argv is None else argv) + "` (a rerun "
+              "with the same --work only re-renders this report)"]  # fmt: skip
     write_report(result, args.out, "\n".join(lines) + "\n")
     return 0
 

@@ -5,13 +5,17 @@ and effort, all tiny, all from the RL issue's task families, all built with SFT 
                 files:low, files:max (thinking on; the effort decides how much the think channel says)
 
 Effort is the length of the think channel. `effort_turns(task, effort)` adds to each demonstration message a
-reasoning of the effort's size: none at `low`, a few words at `high`, at `max` a sentence naming the tool and
-copying its arguments (and, for the answer, the value). Success does not depend on it (the tool calls and the answer
-are the same), so a low-effort expert is as right as a max-effort one in fewer tokens: what K3's effort levels aim at.
+reasoning of the effort's size: none at `low`, a few words at `high`, at `max` a plan that names the tool, copies its
+arguments twice and says how the output will be checked, and for the answer a check that repeats the value. Success
+does not depend on it (the tool calls and the answer are the same), so a low-effort expert is as right as a
+max-effort one in fewer tokens: what K3's effort levels aim at. The max demonstrations are about 2.4x the low ones in
+the recipe tokenizer's tokens (files: 208 against 87), so the teachers themselves are further apart than the
+target's 0.6x; an earlier one-sentence max reasoning gave only 0.65x, which no student could beat.
 
 The cold start (the student's init, and b0's model) is copy pre-training then SFT on a mixture of every domain with a
 share of tool-free guesses (a weak, partly tool-using policy, as in the RL recipe); its effort-tagged episodes carry
-a random effort tag and, independently, a random reasoning size: it has seen the format but does not follow the tag.
+a random effort tag and a reasoning that is mostly the top effort's (`long_share`), else the tag's: it has seen the
+format and the tag, thinks at length and does not follow the tag when greedy.
 Each teacher is the cold start trained further by SFT on its own domain and effort alone, without guesses, with the
 reasoning of its effort and no effort tag (the teacher is the expert of that effort; Eq. 15's π_teacher(y | x)).
 
@@ -26,7 +30,7 @@ import random
 import torch
 
 from openk3.data.tokenizer import train_bpe
-from openk3.data.xtml import render_xtml
+from openk3.data.xtml import THINKING_EFFORTS, render_xtml
 from openk3.rl.envs import Task, get_family, initial_messages
 from openk3.rl.sft import COPY_BATCH, CopyStream, sft_loss
 from openk3.rl.teachers import TeacherKey
@@ -44,13 +48,22 @@ def reasoning(message: dict, answer: str | None, effort: str) -> str:
     if effort == "high":
         return "use " + ", ".join(c["function"]["name"] for c in calls) if calls else "answer"
     if calls:
-        parts = []
+        parts, values = [], []
         for c in calls:
             args = json.loads(c["function"]["arguments"])
             parts.append(f"call {c['function']['name']} with " + ", ".join(f"{k} {v}" for k, v in args.items()))
-        return "The question needs a tool. I will " + " and ".join(parts) + ", then read its output."
+            values.append(f"{c['function']['name']} " + " ".join(str(v) for v in args.values()))
+        plan, check = " and ".join(parts), "; ".join(values)
+        return (
+            f"The question needs a tool. I will {plan}, then read its output. Plan: first {check}; then read "
+            f"the line it prints; then check that the line answers the question; then give only the value. "
+            f"Before the call, once more: {check}."
+        )
     shown = message.get("content") or answer or ""
-    return f"The output gives {shown}, so the answer is {shown}."
+    return (
+        f"The output gives {shown}. The question asks for one value, and {shown} is that value. Check: the "
+        f"output line contains {shown}, so it answers the question. The answer is {shown}."
+    )
 
 
 def effort_turns(task: Task, effort: str | None) -> list[dict]:
@@ -88,11 +101,24 @@ def recipe_tokenizer(keys: list[TeacherKey], text_config, seed: int = 0):
 
 class RecipeStream:
     """Seeded demonstrations for one stage: round-robin over `keys`; `student=True` gives the cold start's mixture
-    (random effort tag and, independently, random reasoning size; `guess_share` tool-free guesses), else a
-    teacher's data (its effort's reasoning, no tag, no guesses)."""
+    (a random effort tag; the reasoning of the domain's top effort with probability `long_share`, else of the tag's
+    own effort; `guess_share` tool-free guesses), else a teacher's data (its effort's reasoning, no tag, no guesses).
 
-    def __init__(self, keys: list[TeacherKey], tokenizer, seed: int, *, student: bool, guess_share: float = 0.0):
+    The cold start mostly thinks at length, whatever the tag says: its greedy episodes are long at every effort, and
+    b0(x) (measured at the top effort) is the natural thinking length that the budget cuts down at lower efforts, as
+    in K3. The tag is not meaningless to it, though: a low tag comes with short reasoning in 1 − `long_share` of its
+    demonstrations, as a cold-start SFT set with some effort-matched data would give. A cold start that had never
+    seen the tag matter (reasoning size drawn independently of it) did not learn to follow it in 30 steps of
+    distillation at 2e-4 (the greedy lengths at low and max stayed within 1%; at 1e-3 success collapsed instead):
+    the one token that decides the length gets its −R_max, but the gradient must build the tag's use from
+    nothing (docs/distill.md)."""
+
+    def __init__(self, keys: list[TeacherKey], tokenizer, seed: int, *, student: bool, guess_share: float = 0.0,
+                 long_share: float = 0.75):  # fmt: skip
+        if not 0 <= long_share <= 1:
+            raise ValueError(f"long_share must be in [0, 1], got {long_share}")
         self.keys, self.tokenizer, self.student, self.guess_share = keys, tokenizer, student, guess_share
+        self.long_share = long_share
         self.rng = random.Random(seed)
         self.drawn = 0
         self.efforts = {k.domain: sorted(x.effort for x in keys if x.domain == k.domain and x.effort) for k in keys}
@@ -110,7 +136,9 @@ class RecipeStream:
                 out.append(demo_ids(task, self.tokenizer, style=None, tag=None, guess_rng=guess))
             else:
                 efforts = self.efforts[key.domain]
-                tag, style = self.rng.choice(efforts), self.rng.choice(efforts)
+                top = max(efforts, key=THINKING_EFFORTS.index)
+                tag = self.rng.choice(efforts)
+                style = top if self.rng.random() < self.long_share else tag
                 out.append(demo_ids(task, self.tokenizer, style=style, tag=tag, guess_rng=guess))
         return out
 

@@ -40,14 +40,13 @@ import torch
 
 from openk3.config import K3Config
 from openk3.data.tokenizer import load_tokenizer
-from openk3.data.xtml import THINKING_EFFORTS
 from openk3.rl.distill_config import CONFIG_FILE, METHODS, DistillConfig, TauSchedule, parse_tau_final  # noqa: F401
 from openk3.rl.envs import Task, get_family, initial_messages
 from openk3.rl.logprobs import sequence_log_softmax, sequence_logprobs
 from openk3.rl.loop import SUCCESS, RLTrainer, _task_index, engine_config, micro_batches
 from openk3.rl.losses import group_advantages
 from openk3.rl.rollout import RolloutWorker, Trajectory
-from openk3.rl.teachers import TeacherKey, TeacherRegistry
+from openk3.rl.teachers import TeacherKey, TeacherRegistry, top_efforts
 from openk3.rl.transcript import prompt_ids
 
 
@@ -143,10 +142,7 @@ class DistillTrainer(RLTrainer):
         if not tasks:
             return
         worker = self._cold()
-        top = {}
-        for key in self.keys:
-            if key.effort is not None:
-                top[key.domain] = max(top.get(key.domain, key.effort), key.effort, key=THINKING_EFFORTS.index)
+        top = top_efforts(self.keys)
         episodes = [worker.start(task, group=-2, sample=0, effort=top[task.family]) for task in tasks.values()]
         worker.run(episodes, version=0, temperature=0.0)
         for traj in episodes:

@@ -30,10 +30,10 @@ import random
 import torch
 
 from openk3.data.tokenizer import train_bpe
-from openk3.data.xtml import THINKING_EFFORTS, render_xtml
+from openk3.data.xtml import render_xtml
 from openk3.rl.envs import Task, get_family, initial_messages
 from openk3.rl.sft import COPY_BATCH, CopyStream, sft_loss
-from openk3.rl.teachers import TeacherKey
+from openk3.rl.teachers import TeacherKey, top_efforts
 from openk3.rl.transcript import episode_ids
 from openk3.train.optim import param_groups
 
@@ -85,12 +85,13 @@ def demo_ids(task: Task, tokenizer, *, style: str | None, tag: str | None, guess
     return episode_ids(initial_messages(task), turns, task.tools, tokenizer, thinking=style is not None, effort=tag)
 
 
-def recipe_tokenizer(keys: list[TeacherKey], text_config, seed: int = 0):
-    """A BPE for the recipe, trained on the text of training-split demonstrations of every key at its effort."""
+def recipe_tokenizer(keys: list[TeacherKey], text_config, seed: int = 0, episodes: int = TOKENIZER_EPISODES):
+    """A BPE for the recipe, trained on the text of `episodes` training-split demonstrations of every key at its
+    effort."""
     texts = []
     for key in keys:
         family = get_family(key.domain)
-        for i in range(TOKENIZER_EPISODES):
+        for i in range(episodes):
             task = family.generate("train", seed * 1_000_003 + i)
             messages = initial_messages(task) + effort_turns(task, key.effort)
             segments = render_xtml(messages, task.tools, add_generation_prompt=True, thinking=key.thinking)
@@ -122,6 +123,7 @@ class RecipeStream:
         self.rng = random.Random(seed)
         self.drawn = 0
         self.efforts = {k.domain: sorted(x.effort for x in keys if x.domain == k.domain and x.effort) for k in keys}
+        self.top = top_efforts(keys)
 
     def batch(self, n: int) -> list[tuple[list[int], list[bool]]]:
         out = []
@@ -136,9 +138,8 @@ class RecipeStream:
                 out.append(demo_ids(task, self.tokenizer, style=None, tag=None, guess_rng=guess))
             else:
                 efforts = self.efforts[key.domain]
-                top = max(efforts, key=THINKING_EFFORTS.index)
                 tag = self.rng.choice(efforts)
-                style = top if self.rng.random() < self.long_share else tag
+                style = self.top[key.domain] if self.rng.random() < self.long_share else tag
                 out.append(demo_ids(task, self.tokenizer, style=style, tag=tag, guess_rng=guess))
         return out
 

@@ -40,6 +40,16 @@ class TeacherKey:
         return self.effort is not None
 
 
+def top_efforts(keys) -> dict[str, str]:
+    """{domain: its highest effort among `keys`} for the effort-tagged domains: the effort b0 is measured at (the
+    distillation's budget) and the one the recipe's cold start mostly thinks at."""
+    top: dict[str, str] = {}
+    for key in keys:
+        if key.effort is not None:
+            top[key.domain] = max(top.get(key.domain, key.effort), key.effort, key=THINKING_EFFORTS.index)
+    return top
+
+
 class VocabularyMismatch(ValueError):
     """A teacher whose tokenizer or vocabulary size differs from the student's."""
 

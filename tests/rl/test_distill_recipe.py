@@ -12,19 +12,21 @@ from openk3.config import K3Config
 from openk3.rl import distill_recipe
 from openk3.rl.distill_recipe import RecipeStream, demo_ids, effort_turns, recipe_tokenizer
 from openk3.rl.envs import get_family
-from openk3.rl.teachers import parse_teachers
+from openk3.rl.teachers import parse_teachers, top_efforts
 
 KEYS = sorted(parse_teachers("files:low=-,files:max=-"))
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    episodes = distill_recipe.TOKENIZER_EPISODES
-    distill_recipe.TOKENIZER_EPISODES = 100  # a quarter of the corpus: faster, and the lengths barely change
-    try:
-        return recipe_tokenizer(KEYS, K3Config.preset("tiny").text_config, seed=0)
-    finally:
-        distill_recipe.TOKENIZER_EPISODES = episodes
+    # a quarter of the recipe's corpus: faster, and the lengths barely change
+    return recipe_tokenizer(KEYS, K3Config.preset("tiny").text_config, seed=0, episodes=100)
+
+
+@pytest.fixture
+def style_and_tag(monkeypatch):
+    """Demonstrations become their (reasoning style, effort tag), so a stream's draws can be counted."""
+    monkeypatch.setattr(distill_recipe, "demo_ids", lambda task, tok, *, style, tag, guess_rng=None: (style, tag))
 
 
 def test_max_effort_demonstrations_are_over_twice_the_low_ones(tokenizer):
@@ -52,25 +54,23 @@ def test_effort_changes_only_the_think_channel(family):
             assert len(m_max["reasoning_content"]) > 2 * len(m_high["reasoning_content"]) > 0
 
 
-def _styles(monkeypatch, tokenizer, long_share: float, n: int = 400) -> list[tuple]:
-    monkeypatch.setattr(distill_recipe, "demo_ids", lambda task, tok, *, style, tag, guess_rng=None: (style, tag))
+def _styles(tokenizer, long_share: float, n: int = 400) -> list[tuple]:
     return RecipeStream(KEYS, tokenizer, seed=0, student=True, long_share=long_share).batch(n)
 
 
-def test_cold_start_mixture_follows_long_share(monkeypatch, tokenizer):
-    drawn = _styles(monkeypatch, tokenizer, 0.75)
+def test_cold_start_mixture_follows_long_share(style_and_tag, tokenizer):
+    drawn = _styles(tokenizer, 0.75)
     tags = [tag for _, tag in drawn]
     assert 0.4 < tags.count("low") / len(tags) < 0.6  # the tag is uniform
     # at the top effort's tag the reasoning is always the top effort's; at low, the top's in `long_share` of them
     assert {style for style, tag in drawn if tag == "max"} == {"max"}
     at_low = [style for style, tag in drawn if tag == "low"]
     assert 0.65 < at_low.count("max") / len(at_low) < 0.85, at_low.count("max") / len(at_low)  # ~200 draws: ±3.3 se
-    assert {s for s, _ in _styles(monkeypatch, tokenizer, 1.0, 50)} == {"max"}
-    assert all(style == tag for style, tag in _styles(monkeypatch, tokenizer, 0.0, 50))
+    assert {s for s, _ in _styles(tokenizer, 1.0, 50)} == {"max"}
+    assert all(style == tag for style, tag in _styles(tokenizer, 0.0, 50))
 
 
-def test_teacher_stream_is_its_effort_without_a_tag(monkeypatch, tokenizer):
-    monkeypatch.setattr(distill_recipe, "demo_ids", lambda task, tok, *, style, tag, guess_rng=None: (style, tag))
+def test_teacher_stream_is_its_effort_without_a_tag(style_and_tag, tokenizer):
     for key in KEYS:
         assert set(RecipeStream([key], tokenizer, seed=1, student=False).batch(20)) == {(key.effort, None)}
 
@@ -78,3 +78,8 @@ def test_teacher_stream_is_its_effort_without_a_tag(monkeypatch, tokenizer):
 def test_long_share_out_of_range_is_refused(tokenizer):
     with pytest.raises(ValueError, match="long_share"):
         RecipeStream(KEYS, tokenizer, seed=0, student=True, long_share=1.5)
+
+
+def test_top_efforts_is_the_highest_per_tagged_domain():
+    keys = parse_teachers("files:low=-,files:max=-,files:high=-,code-fix:low=-,code-fix:high=-,calculator=-")
+    assert top_efforts(keys) == {"files": "max", "code-fix": "high"}

@@ -3,7 +3,7 @@
 Requests are strict pydantic models (no bool-as-int, no string numbers, finite floats, valid Unicode) that ignore
 unknown fields (e.g. `user`), refuse the OpenAI fields not implemented (`UNSUPPORTED`: logit_bias, the legacy
 `functions`/`function_call`, ...) and reject bad values with a message naming the field; responses are plain dicts in
-OpenAI's JSON. Engine extras (`top_k`) arrive as extra body fields, as the openai client's `extra_body` sends them.
+OpenAI's JSON. Engine extras (`top_k`, `ignore_eos`) arrive as extra body fields, as the openai client's `extra_body` sends them.
 
 Chat fields for K3's XTML format, and how each maps (`ChatCompletionRequest.render_options`):
 - messages: roles system, user, assistant, tool (`developer` is system); `name`, assistant `tool_calls`, tool
@@ -104,6 +104,8 @@ class _Request(BaseModel):
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: dict | None = None
+    # vLLM's extension: keep generating past the end-of-sequence token (benchmarks and load tests need fixed lengths).
+    ignore_eos: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -115,7 +117,8 @@ class _Request(BaseModel):
         if len(stop) > 8:
             raise ValueError("stop: at most 8 stop sequences")
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              seed=self.seed, stop=stop + extra_stop, n=self.n, logprobs=logprobs)  # fmt: skip
+                              seed=self.seed, stop=stop + extra_stop, n=self.n, logprobs=logprobs,
+                              ignore_eos=self.ignore_eos)  # fmt: skip
 
     @property
     def include_usage(self) -> bool:

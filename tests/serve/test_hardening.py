@@ -488,7 +488,8 @@ def test_sigterm_stops_the_server_within_seconds_failing_running_streams(tmp_pat
                 time.sleep(0.2)
         else:
             pytest.fail("server did not start: " + proc.stderr.read1().decode(errors="replace"))
-        body = {"prompt": [5] * 8, "max_tokens": 4000, "stream": True, "temperature": 0}
+        # ignore_eos: a greedy stream that meets EOS before the signal lands would end "stop", not "shutting down".
+        body = {"prompt": [5] * 8, "max_tokens": 4000, "stream": True, "temperature": 0, "ignore_eos": True}
         with httpx2.Client(timeout=30) as http, http.stream("POST", f"{base}/v1/completions", json=body) as resp:
             lines = resp.iter_lines()
             assert next(lines).startswith("data: ")

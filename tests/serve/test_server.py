@@ -14,7 +14,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serve_helpers import bpe_tokenizer, make_engine, serve_on_loopback, slow_steps, tiny_model
+from serve_helpers import bpe_tokenizer, make_engine, run_to_end, serve_on_loopback, slow_steps, tiny_model
 from starlette.testclient import TestClient
 
 from openk3.data.chat import Message, PlainChatTemplate
@@ -206,6 +206,25 @@ def test_full_queue_answers_429_with_retry_after():
             r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        llm.shutdown()
+
+
+def test_ignore_eos_generates_past_the_end_of_sequence_token():
+    engine = _engine()
+    # Make the token greedy decoding picks first the end-of-sequence token: a plain request then stops at once.
+    engine.add_request({"prompt_token_ids": [5] * 8}, SamplingParams(max_tokens=1, temperature=0), "probe")
+    engine.eos_token_id = run_to_end(engine)["probe"][0]
+    llm = AsyncLLM(engine, max_waiting=8)
+    try:
+        with TestClient(build_app(llm, "tiny", PlainChatTemplate(TOKENIZER))) as client:
+            body = {"prompt": [5] * 8, "max_tokens": 6, "temperature": 0}
+            plain = client.post("/v1/completions", json=body).json()
+            assert plain["choices"][0]["finish_reason"] == "stop" and plain["usage"]["completion_tokens"] <= 1
+            full = client.post("/v1/completions", json={**body, "ignore_eos": True}).json()
+            assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 6
+            bad = client.post("/v1/completions", json={**body, "ignore_eos": 1})
+            assert bad.status_code == 400 and "ignore_eos" in bad.text
     finally:
         llm.shutdown()
 

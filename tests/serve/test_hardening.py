@@ -356,7 +356,7 @@ def test_a_dropped_non_streaming_request_is_aborted(served, monkeypatch):
     # 200 tokens take >= 4 s, so the client's 0.5 s timeout always drops the request mid-generation (unslowed, a
     # fast CI machine finished all 200 within 0.5 s).
     slow_steps(monkeypatch, served.llm.engine, 0.02)
-    body = {"prompt": "tell me everything", "max_tokens": 200, "temperature": 0}
+    body = {"prompt": "tell me everything", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx2.TimeoutException):
         httpx2.post(f"{served.base}/v1/completions", json=body, timeout=0.5)
     deadline = time.monotonic() + 10

@@ -160,7 +160,7 @@ def test_disconnect_mid_stream_aborts_and_frees(served, monkeypatch):
     before = llm.metrics.requests.labels(outcome="abort")._value.get()
     slow_steps(monkeypatch, llm.engine, 0.01)  # 300 tokens take >= 3 s: the disconnect lands mid-generation
     body = {"model": "tiny", "messages": [{"role": "user", "content": "tell me everything"}], "max_tokens": 300,
-            "temperature": 0, "stream": True}  # fmt: skip
+            "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
     with httpx2.Client(timeout=30) as http, http.stream("POST", f"{base}/v1/chat/completions", json=body) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()

@@ -3,7 +3,8 @@
 Requests are strict pydantic models (no bool-as-int, no string numbers, finite floats, valid Unicode) that ignore
 unknown fields (e.g. `user`), refuse the OpenAI fields not implemented (`UNSUPPORTED`: logit_bias, the legacy
 `functions`/`function_call`, ...) and reject bad values with a message naming the field; responses are plain dicts in
-OpenAI's JSON. Engine extras (`top_k`, `ignore_eos`) arrive as extra body fields, as the openai client's `extra_body` sends them.
+OpenAI's JSON. Engine extras (`top_k`, `ignore_eos`) arrive as extra body fields, as the openai client's
+`extra_body` sends them.
 
 Chat fields for K3's XTML format, and how each maps (`ChatCompletionRequest.render_options`):
 - messages: roles system, user, assistant, tool (`developer` is system); `name`, assistant `tool_calls`, tool

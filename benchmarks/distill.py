@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-tasks", type=int, default=24, help="held-out tasks per key")
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--tau-anneal-steps", type=int, default=15)
+    p.add_argument("--task-weight", type=float, default=0.0,
+                   help="weight of the task reward beside the per-token one (k3 distill --task-weight)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/distill-cpu")
     p.add_argument("--from-rl", default=None, metavar="RUN",
@@ -230,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = {"lr": args.lr, "groups_per_step": args.groups, "group_size": args.group_size, "max_turns": 4,
                     "max_tokens": args.max_tokens, "max_tokens_per_turn": args.max_tokens_per_turn,
                     "eval_tasks": args.eval_tasks}  # fmt: skip
+    if args.task_weight:
+        settings["task_weight"] = args.task_weight
     with open(times_file, "w") as f:
         json.dump(times, f, indent=1)
 

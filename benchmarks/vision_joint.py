@@ -66,6 +66,8 @@ def run(task: str, args, work: str) -> dict:
         stream = glyph_stream(colours == "bw", placement == "aligned")
     timing = os.path.join(out, "bench_seconds.txt")  # written when the run finished: a rerun only re-renders
     if not os.path.exists(timing):
+        if os.path.exists(out):  # a run cut short: continue it from its last checkpoint
+            argv.append("--resume")
         start = time.perf_counter()
         with stream:
             if k3_main(argv) != 0:
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vision-lr", type=float, default=3e-4)
     p.add_argument("--eval-examples", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work", default="runs/bench-vision-joint", help="run folders (a finished task is not rerun)")
+    p.add_argument("--work", default="runs/bench-vision-joint",
+                   help="run folders (a finished task is not rerun, one cut short is resumed)")  # fmt: skip
     p.add_argument("--out", default="benchmarks/results/vision-joint")
     args = p.parse_args(argv)
     for task in args.tasks.split(","):

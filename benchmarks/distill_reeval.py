@@ -48,9 +48,11 @@ def main(argv: list[str] | None = None) -> int:
             result["eval"][name] = evaluate_policy(model.eval(), tokenizer, ks, args.tasks, fleet, tagged=tagged,
                                                    **budgets)  # fmt: skip
             print(f"{name}: {result['eval'][name]} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    # As benchmarks/distill.py's student_over_teacher: None where the teacher solves nothing.
+    teacher_success = {k: result["eval"][f"teacher {k}"][str(k)]["success"] for k in keys}
     result["student_over_teacher"] = {
-        name: {str(k): result["eval"][name][str(k)]["success"] / max(result["eval"][f"teacher {k}"][str(k)]["success"],
-                                                                     1e-9) for k in keys}
+        name: {str(k): result["eval"][name][str(k)]["success"] / teacher_success[k] if teacher_success[k] > 0 else None
+               for k in keys}
         for name, _, _, tagged in runs if tagged
     }  # fmt: skip
     print(json.dumps(result["student_over_teacher"], indent=1))

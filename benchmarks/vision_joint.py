@@ -53,17 +53,29 @@ def glyph_stream(bw: bool, aligned: bool):
         vt.example = original
 
 
+def glyph_options(task: str) -> tuple[bool, bool] | None:
+    """`task` -> (bw, aligned) for a glyph task, None for `text`; ValueError for anything else."""
+    if task == "text":
+        return None
+    parts = task.split("-")
+    if (
+        len(parts) != 3
+        or parts[0] != "glyph"
+        or parts[1] not in ("bw", "random")
+        or parts[2] not in ("aligned", "free")
+    ):
+        raise ValueError(f"--tasks: unknown task {task!r} (glyph-{{bw,random}}-{{aligned,free}} or text)")
+    return parts[1] == "bw", parts[2] == "aligned"
+
+
 def run(task: str, args, work: str) -> dict:
     out = os.path.join(work, task)
     argv = ["train", "--preset", "tiny-vl", "--data", "vision", "--vision-kinds", "text", "--steps", str(args.steps),
             "--batch-size", "32", "--lr", str(args.lr), "--vision-lr", str(args.vision_lr), "--seed", str(args.seed),
             "--eval-every", str(max(args.steps // 4, 1)), "--vision-eval-examples", str(args.eval_examples),
             "--out", out]  # fmt: skip
-    if task == "text":
-        stream = contextlib.nullcontext()
-    else:
-        _, colours, placement = task.split("-")
-        stream = glyph_stream(colours == "bw", placement == "aligned")
+    options = glyph_options(task)
+    stream = contextlib.nullcontext() if options is None else glyph_stream(*options)
     timing = os.path.join(out, "bench_seconds.txt")  # written when the run finished: a rerun only re-renders
     if not os.path.exists(timing):
         if os.path.exists(out):  # a run cut short: continue it from its last checkpoint
@@ -98,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/results/vision-joint")
     args = p.parse_args(argv)
     for task in args.tasks.split(","):
-        parts = task.split("-")
-        if task != "text" and not (len(parts) == 3 and parts[0] == "glyph" and parts[1] in ("bw", "random")
-                                   and parts[2] in ("aligned", "free")):  # fmt: skip
-            p.error(f"--tasks: unknown task {task!r} (glyph-{{bw,random}}-{{aligned,free}} or text)")
+        try:
+            glyph_options(task)
+        except ValueError as err:
+            p.error(str(err))
     machine = machine_info()
     runs = [run(task, args, args.work) for task in args.tasks.split(",")]
     steps = [s for s, _, _ in runs[0]["evals"]]

@@ -161,6 +161,52 @@ def run_method(args, method: str, teachers: dict[TeacherKey, str], init: str, se
     return _rows(metrics)
 
 
+def last_checkpoint(run: str) -> str:
+    """The folder of a run's last checkpoint (checkpoints/latest names it)."""
+    ckpts = os.path.join(run, "checkpoints")
+    with open(os.path.join(ckpts, "latest"), encoding="utf-8") as f:
+        return os.path.join(ckpts, f.read().strip())
+
+
+def final_evaluation(args, teachers: dict[TeacherKey, str], init: str, methods: list[str], settings: dict) -> dict:
+    """The evaluation the targets are judged on: greedy, the test split's first --final-eval-tasks tasks per key (the
+    curves' --eval-tasks among them; 24 tasks are 4.2 points each, too coarse for a 95% ratio). Each teacher on its
+    own key without the tag, the student's start and each method's last checkpoint on every key with it.
+    {name: {"path": checkpoint, "eval": {key: {success, length}}}}, names "teacher KEY", "start" and the methods;
+    cached in --work/final_eval_N.json by checkpoint path, so a rerun only re-renders and a continued run (a later
+    last checkpoint) is evaluated again."""
+    n = args.final_eval_tasks
+    keys = sorted(teachers)
+    cache_file = os.path.join(args.work, f"final_eval_{n}.json")
+    cache = _load(cache_file) or {}
+    models = [(f"teacher {k}", path, [k], False) for k, path in sorted(teachers.items())]
+    models += [("start", init, keys, True)]
+    models += [(m, last_checkpoint(os.path.join(args.work, f"run-{m}")), keys, True) for m in methods]
+    todo = [m for m in models if cache.get(m[0], {}).get("path") != m[1]]
+    if todo:
+        from openk3.sandbox.fleet import Fleet
+
+        budgets = {k: settings[k] for k in ("max_turns", "max_tokens", "max_tokens_per_turn")}
+        with Fleet(max_sandboxes=n * len(keys) + 8, warm=2, memory_mb=256) as fleet:
+            for name, path, ks, tagged in todo:
+                t0 = time.perf_counter()
+                model, folder = load_model(path, dtype=torch.float32)
+                tokenizer = load_tokenizer(folder, model.text_config)
+                got = evaluate_policy(model.eval(), tokenizer, ks, n, fleet, tagged=tagged, **budgets)
+                cache[name] = {"path": path, "eval": got}
+                with open(cache_file, "w", encoding="utf-8") as f:  # each model as it finishes: resumable
+                    json.dump(cache, f, indent=1)
+                print(f"final evaluation ({n} tasks per key) {name}: {got} ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)  # fmt: skip
+    return cache
+
+
+def _eval_row(evaluation: dict) -> dict:
+    """{key: {success, length}} as a metrics row's {"eval_success": {key: ...}, "eval_length": {key: ...}}."""
+    return {"eval_success": {k: v["success"] for k, v in evaluation.items()},
+            "eval_length": {k: v["length"] for k, v in evaluation.items()}}  # fmt: skip
+
+
 def _rows(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
@@ -210,9 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens-per-turn", type=int, default=192)
     p.add_argument("--eval-tasks", type=int, default=24, help="held-out tasks per key")
     p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--final-eval-tasks", type=int, default=144,
+                   help="held-out tasks per key on which the targets are judged: the teachers, the start and each "
+                        "method's last checkpoint (0: judge on the curves' last evaluation, --eval-tasks)")  # fmt: skip
     p.add_argument("--tau-anneal-steps", type=int, default=15)
     p.add_argument("--task-weight", type=float, default=0.0,
                    help="weight of the task reward beside the per-token one (k3 distill --task-weight)")  # fmt: skip
+    p.add_argument("--budget-weight", type=float, default=1.0,
+                   help="weight of the effort budget reward, -1 above tau*b0 (k3 distill --budget-weight)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/distill-cpu")
     p.add_argument("--from-rl", default=None, metavar="RUN",
@@ -234,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                     "eval_tasks": args.eval_tasks}  # fmt: skip
     if args.task_weight:
         settings["task_weight"] = args.task_weight
+    if args.budget_weight != 1.0:
+        settings["budget_weight"] = args.budget_weight
     with open(times_file, "w") as f:
         json.dump(times, f, indent=1)
 
@@ -257,16 +310,25 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for method in args.methods.split(","):
         t0 = time.perf_counter()
+        done_before = _rows(os.path.join(args.work, f"run-{method}", "metrics.jsonl"))
         runs[method] = run_method(args, method, teachers, init, settings)
-        times.setdefault(f"run_{method}_s", time.perf_counter() - t0)
+        if runs[method] != done_before:  # it trained: from scratch (a stale time is replaced) or resumed (added)
+            key = f"run_{method}_s"
+            times[key] = (times.get(key, 0.0) if done_before else 0.0) + time.perf_counter() - t0
     with open(times_file, "w") as f:
         json.dump(times, f, indent=1)
 
     curves = {m: [(r["step"], _score(r)) for r in rows if "eval_success" in r] for m, rows in runs.items()}
     finals = {m: [r for r in rows if "eval_success" in r][-1] for m, rows in runs.items()}
     start = next(r for r in runs[next(iter(runs))] if "eval_success" in r)
+    judged_tasks = args.final_eval_tasks or args.eval_tasks
+    if args.final_eval_tasks:  # the targets and tables on more tasks than the curves
+        judged = final_evaluation(args, teachers, init, list(runs), settings)
+        teacher_eval = {str(k): judged[f"teacher {k}"]["eval"][str(k)] for k in sorted(teachers)}
+        start = _eval_row(judged["start"]["eval"])
+        finals = {m: _eval_row(judged[m]["eval"]) for m in runs}
     result: dict = {"machine": machine, "args": vars(args), "settings": settings, "times_s": times,
-                    "teachers": teacher_eval,
+                    "judged_on_tasks": judged_tasks, "teachers": teacher_eval,
                     "student_start": {"eval_success": start["eval_success"], "eval_length": start["eval_length"]},
                     "final": {m: {"eval_success": r["eval_success"], "eval_length": r["eval_length"],
                                   "score": _score(r)} for m, r in finals.items()},
@@ -308,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     result["targets"] = targets
     header = (f"Machine: {machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}; load before: "
               f"{machine['load_before']}.")  # fmt: skip
-    teachers_title = f"## Teachers (own context, greedy, {args.eval_tasks} test tasks each)"
+    teachers_title = f"## Teachers (own context, greedy, {judged_tasks} test tasks each)"
     title = "# Multi-teacher distillation on CPU (`python benchmarks/distill.py"
     title += f" --from-rl {args.from_rl}`): from an RL expert" if args.from_rl else "`)"
     lines = [title, "", header, "",
@@ -316,13 +378,16 @@ def main(argv: list[str] | None = None) -> int:
              "|---|---|---|"]  # fmt: skip
     lines += [f"| {k} | {v['success']:.0%} | {v['length']:.0f} |" for k, v in sorted(teacher_eval.items())]
     tagged = " (effort-tagged)" if any(k.effort for k in keys) else ""
-    lines += ["", f"## Student{tagged}, held-out success / length after {args.steps} steps", "",
+    student_title = (
+        f"## Student{tagged}, held-out success / length after {args.steps} steps ({judged_tasks} tasks per key)"
+    )
+    lines += ["", student_title, "",
               "| method | " + " | ".join(sorted(start["eval_success"])) + " | mean |",
               "|---|" + "---|" * (len(start["eval_success"]) + 1)]  # fmt: skip
     for name, row in [("cold start", start), *finals.items()]:
         cells = [f"{row['eval_success'][k]:.0%} / {row['eval_length'][k]:.0f}" for k in sorted(row["eval_success"])]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {_score(row):.0%} |")
-    lines += ["", "## Curves (step: mean held-out success)", ""]
+    lines += ["", f"## Curves (step: mean held-out success on {args.eval_tasks} test tasks per key)", ""]
     lines += [f"- {m}: " + " · ".join(f"{s}: {v:.0%}" for s, v in c) for m, c in curves.items()]
     lines += ["", "## Times", "", *(f"- {k}: {v:.0f} s" for k, v in sorted(times.items()))]
     source = f"`--from-rl {args.from_rl}`: init {init}" if args.from_rl else f"the recipe's cold start ({init})"

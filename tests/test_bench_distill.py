@@ -37,3 +37,59 @@ def test_from_rl_run_refuses_an_unfinished_run_or_one_without_its_warm_start(tmp
     _rl_run(tmp_path / "pruned", [100, 114])  # the warm start (step 0) was pruned: never take step 100 for it
     with pytest.raises(SystemExit, match="was pruned"):
         bench_distill.from_rl_run(str(tmp_path / "pruned"))
+
+
+def _ckpt(run, step):
+    folder = run / "checkpoints" / f"step-{step:08d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (run / "checkpoints" / "latest").write_text(f"step-{step:08d}\n")
+    return str(folder)
+
+
+def test_final_evaluation_judges_each_model_in_its_own_view_once_per_checkpoint(tmp_path, monkeypatch):
+    import contextlib
+    from types import SimpleNamespace
+
+    import openk3.sandbox.fleet
+    from openk3.rl.teachers import parse_teachers
+
+    calls = []
+
+    def evaluate(model, tokenizer, keys, n, fleet, *, tagged, **budgets):
+        calls.append((model.path, [str(k) for k in keys], n, tagged, budgets))
+        return {str(k): {"success": 0.5, "length": 10.0 * len(calls)} for k in keys}
+
+    class Model:
+        def __init__(self, path):
+            self.path, self.text_config = path, None
+
+        def eval(self):
+            return self
+
+    monkeypatch.setattr(bench_distill, "evaluate_policy", evaluate)
+    monkeypatch.setattr(bench_distill, "load_model", lambda path, dtype: (Model(path), path))
+    monkeypatch.setattr(bench_distill, "load_tokenizer", lambda folder, config: None)
+    monkeypatch.setattr(openk3.sandbox.fleet, "Fleet", lambda **kw: contextlib.nullcontext())
+    teachers = parse_teachers(f"files:low={tmp_path}/t-low,files:max={tmp_path}/t-max")
+    run = tmp_path / "run-opd"
+    last = _ckpt(run, 30)
+    args = SimpleNamespace(final_eval_tasks=144, work=str(tmp_path))
+    settings = {"max_turns": 4, "max_tokens": 384, "max_tokens_per_turn": 192, "lr": 2e-4}
+    budgets = {"max_turns": 4, "max_tokens": 384, "max_tokens_per_turn": 192}
+    got = bench_distill.final_evaluation(args, teachers, f"{tmp_path}/cold", ["opd"], settings)
+    both = ["files:low", "files:max"]
+    assert calls == [
+        (f"{tmp_path}/t-low", ["files:low"], 144, False, budgets),  # a teacher: its own key, no effort tag
+        (f"{tmp_path}/t-max", ["files:max"], 144, False, budgets),
+        (f"{tmp_path}/cold", both, 144, True, budgets),  # the student's start and final: every key, tagged
+        (last, both, 144, True, budgets),
+    ]
+    assert got["opd"] == {"path": last, "eval": {k: {"success": 0.5, "length": 40.0} for k in both}}
+    assert bench_distill._eval_row(got["opd"]["eval"])["eval_length"] == {"files:low": 40.0, "files:max": 40.0}
+    # a rerun re-renders from the cache; a continued run (a later last checkpoint) is evaluated again, alone
+    assert bench_distill.final_evaluation(args, teachers, f"{tmp_path}/cold", ["opd"], settings) == got
+    assert len(calls) == 4
+    later = _ckpt(run, 60)
+    again = bench_distill.final_evaluation(args, teachers, f"{tmp_path}/cold", ["opd"], settings)
+    assert calls[4:] == [(later, both, 144, True, budgets)] and again["opd"]["path"] == later
+    assert (tmp_path / "final_eval_144.json").exists()

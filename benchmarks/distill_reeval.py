@@ -1,5 +1,6 @@
 """Re-evaluate distillation students and teachers on more held-out tasks than the benchmark's evaluations use
-(24 per key: one task is 4.2 points, the standard error about 10), greedy, as `benchmarks/distill.py` evaluates.
+(24 per key: one task is 4.2 points, the standard error about 10), greedy, as `benchmarks/distill.py` evaluates, or
+sampled (`--temperature 1`).
 
     python benchmarks/distill_reeval.py --tokenizer WORK/cold --tasks 144 \\
         --students g8=WORK/run-opd/checkpoints/step-00000030 \\
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--students", required=True, help="name=checkpoint,...")
     p.add_argument("--teachers", required=True, help="domain[:effort]=checkpoint,...")
     p.add_argument("--tasks", type=int, default=144, help="held-out tasks per key (the test split's first N)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy, as the benchmark judges; > 0: one sampled episode per task (the distribution "
+                        "the student is trained to match)")  # fmt: skip
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     teachers = parse_teachers(args.teachers)
@@ -40,13 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     budgets = {"max_turns": 4, "max_tokens": 384, "max_tokens_per_turn": 192}  # the effort runs' settings
     runs = [(f"teacher {k}", path, [k], False) for k, path in sorted(teachers.items())]
     runs += [(name, path, keys, True) for name, path in (s.split("=", 1) for s in args.students.split(","))]
-    result: dict = {"tasks": args.tasks, "eval": {}}
+    result: dict = {"tasks": args.tasks, "temperature": args.temperature, "eval": {}}
     with Fleet(max_sandboxes=args.tasks * len(keys) + 8, warm=2, memory_mb=256) as fleet:
         for name, path, ks, tagged in runs:
             t0 = time.perf_counter()
             model, _ = load_model(path, dtype=torch.float32)
             result["eval"][name] = evaluate_policy(model.eval(), tokenizer, ks, args.tasks, fleet, tagged=tagged,
-                                                   **budgets)  # fmt: skip
+                                                   temperature=args.temperature, **budgets)  # fmt: skip
             print(f"{name}: {result['eval'][name]} ({time.perf_counter() - t0:.0f} s)", flush=True)
     # As benchmarks/distill.py's student_over_teacher: None where the teacher solves nothing.
     teacher_success = {k: result["eval"][f"teacher {k}"][str(k)]["success"] for k in keys}

@@ -177,10 +177,12 @@ def save_policy(model, tokenizer, path: str) -> str:
 
 
 def evaluate_policy(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet, *, tagged: bool,
-                    max_turns: int = 4, max_tokens: int = 256, max_tokens_per_turn: int = 128) -> dict:  # fmt: skip
-    """Held-out success and mean response length per key (greedy, the test split's first `tasks` tasks, as
-    `DistillTrainer.evaluate` picks them): `tagged` renders the effort tag (the student's view), else only the think
-    channel of effort keys (a teacher's)."""
+                    max_turns: int = 4, max_tokens: int = 256, max_tokens_per_turn: int = 128,
+                    temperature: float = 0.0) -> dict:  # fmt: skip
+    """Held-out success and mean response length per key (greedy by default, the test split's first `tasks` tasks,
+    as `DistillTrainer.evaluate` picks them): `tagged` renders the effort tag (the student's view), else only the
+    think channel of effort keys (a teacher's). `temperature` > 0 samples one episode per task, seeded per task
+    (the rollout's per-trajectory seeds), so two models are compared on the same seeds."""
     from openk3.rl.config import RLConfig
     from openk3.rl.env import Budgets, TaskSnapshots
     from openk3.rl.loop import SUCCESS, engine_config
@@ -196,7 +198,7 @@ def evaluate_policy(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet,
         trajs = {key: [worker.start(get_family(key.domain).generate("test", i), group=-1, sample=i,
                                     thinking=key.thinking, effort=key.effort if tagged else None)
                        for i in range(tasks)] for key in keys}  # fmt: skip
-        worker.run([t for v in trajs.values() for t in v], version=0, temperature=0.0)
+        worker.run([t for v in trajs.values() for t in v], version=0, temperature=temperature)
     finally:
         snapshots.close()
     return {str(key): {"success": sum(t.reward >= SUCCESS for t in v) / len(v),

@@ -11,7 +11,9 @@ benchmarks/results/distill-cpu.{json,md}:
    key every `--eval-every` steps;
 4. targets: `student_over_teacher` per key (the opd student's final success / the teacher's); the steps opd needs
    to reach RL's final score vs the steps RL needed; at low effort the student's length vs at max, and the success
-   gap.
+   gap. Success and length for the targets and tables come from a final greedy evaluation on --final-eval-tasks
+   (144) held-out tasks per key of each teacher, the start and each method's last checkpoint; the curves use the
+   runs' own --eval-tasks (24) evaluations.
 
 Every stage's output stays in `--work` (checkpoints, run folders); a rerun skips what is done and resumes a run cut
 short, so the benchmark can be continued after an interruption.

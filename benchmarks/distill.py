@@ -57,7 +57,7 @@ from openk3.rl.distill_recipe import (
     supervised,
 )
 from openk3.rl.teachers import TeacherKey, parse_teachers
-from openk3.train.checkpoint import build_model, load_model
+from openk3.train.checkpoint import build_model, load_model, resolve_checkpoint
 
 KEYS = "calculator,code-fix,files:low,files:max"
 
@@ -163,11 +163,30 @@ def run_method(args, method: str, teachers: dict[TeacherKey, str], init: str, se
     return _rows(metrics)
 
 
-def last_checkpoint(run: str) -> str:
-    """The folder of a run's last checkpoint (checkpoints/latest names it)."""
-    ckpts = os.path.join(run, "checkpoints")
-    with open(os.path.join(ckpts, "latest"), encoding="utf-8") as f:
-        return os.path.join(ckpts, f.read().strip())
+def evaluate_models(models: list[tuple[str, str, list[TeacherKey], bool]], tasks: int, budgets: dict, *,
+                    temperature: float = 0.0, tokenizer=None):  # fmt: skip
+    """For each (name, checkpoint, keys, tagged) of `models` in turn: (name, checkpoint, `evaluate_policy`'s {key:
+    {success, length}} on the test split's first `tasks` tasks per key, seconds), in one sandbox fleet. A model's
+    own tokenizer unless `tokenizer` is given."""
+    from openk3.sandbox.fleet import Fleet
+
+    with Fleet(max_sandboxes=tasks * max(len(ks) for _, _, ks, _ in models) + 8, warm=2, memory_mb=256) as fleet:
+        for name, path, keys, tagged in models:
+            t0 = time.perf_counter()
+            model, folder = load_model(path, dtype=torch.float32)
+            tok = tokenizer if tokenizer is not None else load_tokenizer(folder, model.text_config)
+            got = evaluate_policy(model.eval(), tok, keys, tasks, fleet, tagged=tagged, temperature=temperature,
+                                  **budgets)  # fmt: skip
+            yield name, path, got, time.perf_counter() - t0
+
+
+def success_ratio(student: dict[str, float], teacher: dict[str, float]) -> dict[str, float | None]:
+    """{key: the student's success / the teacher's} over the teacher's keys; None where the teacher solves nothing."""
+    return {k: student[k] / t if t > 0 else None for k, t in teacher.items()}
+
+
+def _budgets(settings: dict) -> dict:
+    return {k: settings[k] for k in ("max_turns", "max_tokens", "max_tokens_per_turn")}
 
 
 def final_evaluation(args, teachers: dict[TeacherKey, str], init: str, methods: list[str], settings: dict) -> dict:
@@ -183,23 +202,14 @@ def final_evaluation(args, teachers: dict[TeacherKey, str], init: str, methods: 
     cache = _load(cache_file) or {}
     models = [(f"teacher {k}", path, [k], False) for k, path in sorted(teachers.items())]
     models += [("start", init, keys, True)]
-    models += [(m, last_checkpoint(os.path.join(args.work, f"run-{m}")), keys, True) for m in methods]
+    models += [(m, resolve_checkpoint(os.path.join(args.work, f"run-{m}")), keys, True) for m in methods]
     todo = [m for m in models if cache.get(m[0], {}).get("path") != m[1]]
     if todo:
-        from openk3.sandbox.fleet import Fleet
-
-        budgets = {k: settings[k] for k in ("max_turns", "max_tokens", "max_tokens_per_turn")}
-        with Fleet(max_sandboxes=n * len(keys) + 8, warm=2, memory_mb=256) as fleet:
-            for name, path, ks, tagged in todo:
-                t0 = time.perf_counter()
-                model, folder = load_model(path, dtype=torch.float32)
-                tokenizer = load_tokenizer(folder, model.text_config)
-                got = evaluate_policy(model.eval(), tokenizer, ks, n, fleet, tagged=tagged, **budgets)
-                cache[name] = {"path": path, "eval": got}
-                with open(cache_file, "w", encoding="utf-8") as f:  # each model as it finishes: resumable
-                    json.dump(cache, f, indent=1)
-                print(f"final evaluation ({n} tasks per key) {name}: {got} ({time.perf_counter() - t0:.0f} s)",
-                      flush=True)  # fmt: skip
+        for name, path, got, seconds in evaluate_models(todo, n, _budgets(settings)):
+            cache[name] = {"path": path, "eval": got}
+            with open(cache_file, "w", encoding="utf-8") as f:  # each model as it finishes: resumable
+                json.dump(cache, f, indent=1)
+            print(f"final evaluation ({n} tasks per key) {name}: {got} ({seconds:.0f} s)", flush=True)
     return cache
 
 
@@ -294,18 +304,12 @@ def main(argv: list[str] | None = None) -> int:
 
     teacher_eval_file = os.path.join(args.work, "teacher_eval.json")
     teacher_eval = _load(teacher_eval_file)
-    if teacher_eval is None:
-        from openk3.sandbox.fleet import Fleet
-
+    if teacher_eval is None and not args.final_eval_tasks:  # else the final evaluation judges the teachers
         teacher_eval = {}
-        with Fleet(max_sandboxes=args.eval_tasks + 8, warm=2, memory_mb=256) as fleet:
-            for key, path in sorted(teachers.items()):
-                model, folder = load_model(path, dtype=torch.float32)
-                teacher_eval.update(evaluate_policy(model.eval(), load_tokenizer(folder, model.text_config), [key],
-                                                    args.eval_tasks, fleet, tagged=False,
-                                                    max_turns=settings["max_turns"], max_tokens=settings["max_tokens"],
-                                                    max_tokens_per_turn=settings["max_tokens_per_turn"]))  # fmt: skip
-                print(f"teacher {key}: {teacher_eval[str(key)]}", flush=True)
+        models = [(f"teacher {k}", path, [k], False) for k, path in sorted(teachers.items())]
+        for name, _, got, _ in evaluate_models(models, args.eval_tasks, _budgets(settings)):
+            teacher_eval.update(got)
+            print(f"{name}: {got}", flush=True)
         with open(teacher_eval_file, "w") as f:
             json.dump(teacher_eval, f, indent=1)
 
@@ -338,8 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = []
     if "opd" in finals:
         final = finals["opd"]
-        ratio = {k: (final["eval_success"][k] / v["success"] if v["success"] > 0 else None)
-                 for k, v in teacher_eval.items()}  # fmt: skip
+        ratio = success_ratio(final["eval_success"], {k: v["success"] for k, v in teacher_eval.items()})
         result["student_over_teacher"] = ratio
         shown = ", ".join(f"{k} {final['eval_success'][k]:.0%}/{teacher_eval[k]['success']:.0%}" for k in ratio)
         targets.append({"target": "opd student >= 95% of each teacher's held-out success (student/teacher)",

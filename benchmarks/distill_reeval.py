@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import os
+import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from distill import evaluate_models, success_ratio  # benchmarks/distill.py: the benchmark's evaluation
+
 from openk3.data.tokenizer import load_tokenizer
-from openk3.rl.distill_recipe import evaluate_policy
 from openk3.rl.teachers import parse_teachers
-from openk3.sandbox.fleet import Fleet
 from openk3.train.checkpoint import load_model
 
 
@@ -45,18 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(f"teacher {k}", path, [k], False) for k, path in sorted(teachers.items())]
     runs += [(name, path, keys, True) for name, path in (s.split("=", 1) for s in args.students.split(","))]
     result: dict = {"tasks": args.tasks, "temperature": args.temperature, "eval": {}}
-    with Fleet(max_sandboxes=args.tasks * len(keys) + 8, warm=2, memory_mb=256) as fleet:
-        for name, path, ks, tagged in runs:
-            t0 = time.perf_counter()
-            model, _ = load_model(path, dtype=torch.float32)
-            result["eval"][name] = evaluate_policy(model.eval(), tokenizer, ks, args.tasks, fleet, tagged=tagged,
-                                                   temperature=args.temperature, **budgets)  # fmt: skip
-            print(f"{name}: {result['eval'][name]} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    # As benchmarks/distill.py's student_over_teacher: None where the teacher solves nothing.
-    teacher_success = {k: result["eval"][f"teacher {k}"][str(k)]["success"] for k in keys}
+    for name, _, got, seconds in evaluate_models(runs, args.tasks, budgets, temperature=args.temperature,
+                                                 tokenizer=tokenizer):  # fmt: skip
+        result["eval"][name] = got
+        print(f"{name}: {got} ({seconds:.0f} s)", flush=True)
+    teacher_success = {str(k): result["eval"][f"teacher {k}"][str(k)]["success"] for k in keys}
     result["student_over_teacher"] = {
-        name: {str(k): result["eval"][name][str(k)]["success"] / teacher_success[k] if teacher_success[k] > 0 else None
-               for k in keys}
+        name: success_ratio({k: v["success"] for k, v in result["eval"][name].items()}, teacher_success)
         for name, _, _, tagged in runs if tagged
     }  # fmt: skip
     print(json.dumps(result["student_over_teacher"], indent=1))

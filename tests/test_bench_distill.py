@@ -2,6 +2,7 @@
 taught by its last checkpoint, and the methods run with the RL run's settings."""
 
 import json
+import os
 
 import distill as bench_distill  # benchmarks/distill.py (pyproject's pytest pythonpath)
 import pytest
@@ -51,11 +52,13 @@ def test_final_evaluation_judges_each_model_in_its_own_view_once_per_checkpoint(
     from types import SimpleNamespace
 
     import openk3.sandbox.fleet
+    import openk3.train.checkpoint
     from openk3.rl.teachers import parse_teachers
 
     calls = []
 
-    def evaluate(model, tokenizer, keys, n, fleet, *, tagged, **budgets):
+    def evaluate(model, tokenizer, keys, n, fleet, *, tagged, temperature, **budgets):
+        assert temperature == 0.0  # the targets are judged greedily
         calls.append((model.path, [str(k) for k in keys], n, tagged, budgets))
         return {str(k): {"success": 0.5, "length": 10.0 * len(calls)} for k in keys}
 
@@ -70,6 +73,8 @@ def test_final_evaluation_judges_each_model_in_its_own_view_once_per_checkpoint(
     monkeypatch.setattr(bench_distill, "load_model", lambda path, dtype: (Model(path), path))
     monkeypatch.setattr(bench_distill, "load_tokenizer", lambda folder, config: None)
     monkeypatch.setattr(openk3.sandbox.fleet, "Fleet", lambda **kw: contextlib.nullcontext())
+    # the fake checkpoints are empty folders: count every existing one as complete
+    monkeypatch.setattr(openk3.train.checkpoint, "checkpoint_problem", lambda p: None if os.path.isdir(p) else "none")
     teachers = parse_teachers(f"files:low={tmp_path}/t-low,files:max={tmp_path}/t-max")
     run = tmp_path / "run-opd"
     last = _ckpt(run, 30)

@@ -120,6 +120,7 @@ def build_recipe(args, keys: list[TeacherKey], times: dict) -> dict[TeacherKey, 
 
 
 # What --from-rl takes from the RL run's rl_config.json.
+RECIPE_BUDGETS = {"max_turns": 4, "max_tokens": 384, "max_tokens_per_turn": 192}  # the recipe's episode budgets
 RL_RUN_SETTINGS = ("lr", "groups_per_step", "group_size", "max_turns", "max_tokens", "max_tokens_per_turn",
                    "kl_coef", "eval_tasks")  # fmt: skip
 
@@ -264,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--groups", type=int, default=4, help="tasks per step (round-robin over the keys)")
     p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=384, help="generated tokens per episode")
-    p.add_argument("--max-tokens-per-turn", type=int, default=192)
+    p.add_argument("--max-tokens", type=int, default=RECIPE_BUDGETS["max_tokens"], help="generated tokens per episode")
+    p.add_argument("--max-tokens-per-turn", type=int, default=RECIPE_BUDGETS["max_tokens_per_turn"])
     p.add_argument("--eval-tasks", type=int, default=24, help="held-out tasks per key")
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--final-eval-tasks", type=int, default=144,
@@ -292,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         keys = _keys(args.keys)
         init, teachers = os.path.join(args.work, "cold"), build_recipe(args, keys, times)
-        settings = {"lr": args.lr, "groups_per_step": args.groups, "group_size": args.group_size, "max_turns": 4,
+        settings = {"lr": args.lr, "groups_per_step": args.groups, "group_size": args.group_size,
+                    "max_turns": RECIPE_BUDGETS["max_turns"],
                     "max_tokens": args.max_tokens, "max_tokens_per_turn": args.max_tokens_per_turn,
                     "eval_tasks": args.eval_tasks}  # fmt: skip
     if args.task_weight:

@@ -21,33 +21,50 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distill import evaluate_models, success_ratio  # benchmarks/distill.py: the benchmark's evaluation
+from distill import RECIPE_BUDGETS, evaluate_models, success_ratio  # benchmarks/distill.py: the benchmark's evaluation
 
 from openk3.data.tokenizer import load_tokenizer
 from openk3.rl.teachers import parse_teachers
 from openk3.train.checkpoint import load_model
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def runs_parser(description: str, temperature_help: str) -> argparse.ArgumentParser:
+    """The arguments of a re-evaluation of students and teachers (this script, distill_decisive.py)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", required=True, help="a checkpoint folder holding the recipe's tokenizer (cold)")
-    p.add_argument("--students", required=True, help="name=checkpoint,...")
+    p.add_argument("--students", required=True, help="name=checkpoint,... (evaluated with the effort tag)")
     p.add_argument("--teachers", required=True, help="domain[:effort]=checkpoint,...")
     p.add_argument("--tasks", type=int, default=144, help="held-out tasks per key (the test split's first N)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0: greedy, as the benchmark judges; > 0: one sampled episode per task (the distribution "
-                        "the student is trained to match)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0, help=temperature_help)
     p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
+    return p
+
+
+def model_runs(args) -> tuple:
+    """(tokenizer, teachers {key: path}, keys, runs): `runs` lists (name, checkpoint, keys, tagged), the teachers
+    first, each on its own key untagged, then the students on every key tagged (the benchmark's views)."""
     teachers = parse_teachers(args.teachers)
     keys = sorted(teachers)
     model, folder = load_model(args.tokenizer, dtype=torch.float32)
     tokenizer = load_tokenizer(folder, model.text_config)
-    budgets = {"max_turns": 4, "max_tokens": 384, "max_tokens_per_turn": 192}  # the effort runs' settings
     runs = [(f"teacher {k}", path, [k], False) for k, path in sorted(teachers.items())]
     runs += [(name, path, keys, True) for name, path in (s.split("=", 1) for s in args.students.split(","))]
+    return tokenizer, teachers, keys, runs
+
+
+def write_result(result: dict, shown: str, path: str) -> None:
+    """Print `result[shown]` and write `result` to `path` as JSON."""
+    print(json.dumps(result[shown], indent=1))
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = runs_parser(__doc__, "0: greedy, as the benchmark judges; > 0: one sampled episode per task (the "
+                                "distribution the student is trained to match)").parse_args(argv)  # fmt: skip
+    tokenizer, _, keys, runs = model_runs(args)
     result: dict = {"tasks": args.tasks, "temperature": args.temperature, "eval": {}}
-    for name, _, got, seconds in evaluate_models(runs, args.tasks, budgets, temperature=args.temperature,
+    for name, _, got, seconds in evaluate_models(runs, args.tasks, RECIPE_BUDGETS, temperature=args.temperature,
                                                  tokenizer=tokenizer):  # fmt: skip
         result["eval"][name] = got
         print(f"{name}: {got} ({seconds:.0f} s)", flush=True)
@@ -56,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         name: success_ratio({k: v["success"] for k, v in result["eval"][name].items()}, teacher_success)
         for name, _, _, tagged in runs if tagged
     }  # fmt: skip
-    print(json.dumps(result["student_over_teacher"], indent=1))
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
+    write_result(result, "student_over_teacher", args.out)
     return 0
 
 

@@ -176,16 +176,16 @@ def save_policy(model, tokenizer, path: str) -> str:
     return path
 
 
-def evaluate_policy(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet, *, tagged: bool,
+def policy_episodes(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet, *, tagged: bool,
                     max_turns: int = 4, max_tokens: int = 256, max_tokens_per_turn: int = 128,
                     temperature: float = 0.0) -> dict:  # fmt: skip
-    """Held-out success and mean response length per key (greedy by default, the test split's first `tasks` tasks,
-    as `DistillTrainer.evaluate` picks them): `tagged` renders the effort tag (the student's view), else only the
-    think channel of effort keys (a teacher's). `temperature` > 0 samples one episode per task, seeded per task
-    (the rollout's per-trajectory seeds), so two models are compared on the same seeds."""
+    """{key: the finished trajectories of the test split's first `tasks` tasks} (greedy by default, as
+    `DistillTrainer.evaluate` picks them): `tagged` renders the effort tag (the student's view), else only the think
+    channel of effort keys (a teacher's). `temperature` > 0 samples one episode per task, seeded per task (the
+    rollout's per-trajectory seeds), so two models are compared on the same seeds."""
     from openk3.rl.config import RLConfig
     from openk3.rl.env import Budgets, TaskSnapshots
-    from openk3.rl.loop import SUCCESS, engine_config
+    from openk3.rl.loop import engine_config
     from openk3.rl.rollout import RolloutWorker
     from openk3.serve.engine import LLMEngine
 
@@ -201,5 +201,14 @@ def evaluate_policy(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet,
         worker.run([t for v in trajs.values() for t in v], version=0, temperature=temperature)
     finally:
         snapshots.close()
+    return trajs
+
+
+def evaluate_policy(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet, *, tagged: bool,
+                    **options) -> dict:  # fmt: skip
+    """Held-out success and mean response length per key's name, over `policy_episodes` (same arguments)."""
+    from openk3.rl.loop import SUCCESS
+
+    trajs = policy_episodes(model, tokenizer, keys, tasks, fleet, tagged=tagged, **options)
     return {str(key): {"success": sum(t.reward >= SUCCESS for t in v) / len(v),
                        "length": sum(t.num_generated for t in v) / len(v)} for key, v in trajs.items()}  # fmt: skip

@@ -14,7 +14,8 @@ Three measurements, each per teacher key, on the test split's first `--tasks` ta
   salt"; at low effort in the call's argument) decides it: every later copy follows the first. Teacher-forced on
   the teacher's own greedy episodes that solved the task, each model's probability of the whole key there (the
   product over its tokens) in that model's view.
-- the same models are loaded once each; one sandbox fleet serves every rollout.
+- the same models are loaded once each; one sandbox fleet serves every rollout. Run it alone: an episode has a
+  600 s wall-clock budget, and a run sharing its cores with training was cut short (distill-effort-offpolicy-g8.md).
 
 Prints and writes {"kinds": {model: {key: {kind: counts}}}, "key_copy": {model: {key: {mean, median, share>0.5}}}}.
 """

@@ -119,8 +119,8 @@ def build_recipe(args, keys: list[TeacherKey], times: dict) -> dict[TeacherKey, 
     return teachers
 
 
-# What --from-rl takes from the RL run's rl_config.json.
 RECIPE_BUDGETS = {"max_turns": 4, "max_tokens": 384, "max_tokens_per_turn": 192}  # the recipe's episode budgets
+# What --from-rl takes from the RL run's rl_config.json.
 RL_RUN_SETTINGS = ("lr", "groups_per_step", "group_size", "max_turns", "max_tokens", "max_tokens_per_turn",
                    "kl_coef", "eval_tasks")  # fmt: skip
 

@@ -133,13 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     with Fleet(max_sandboxes=args.tasks * len(keys) + 8, warm=2, memory_mb=256) as fleet:
         for name, path, run_keys, tagged in runs:
             model = load_model(path, dtype=torch.float32)[0].eval()
-            if not tagged:  # the teacher's greedy episodes give the key-copy cases of its key
-                (key,) = run_keys
-                greedy = policy_episodes(model, tokenizer, [key], args.tasks, fleet, tagged=False,
-                                         **RECIPE_BUDGETS)[key]  # fmt: skip
-                cases[key] = key_copy_cases(greedy, tokenizer)
             trajs = policy_episodes(model, tokenizer, run_keys, args.tasks, fleet, tagged=tagged,
                                     temperature=args.temperature, **RECIPE_BUDGETS)  # fmt: skip
+            if not tagged:  # the teacher's greedy episodes give the key-copy cases of its key
+                (key,) = run_keys
+                greedy = trajs[key] if args.temperature == 0 else policy_episodes(
+                    model, tokenizer, [key], args.tasks, fleet, tagged=False, **RECIPE_BUDGETS)[key]  # fmt: skip
+                cases[key] = key_copy_cases(greedy, tokenizer)
             result["kinds"][name] = {str(k): by_kind(v, tokenizer) for k, v in trajs.items()}
             result["key_copy"][name] = {  # a teacher on its own key, untagged; a student on each key, tagged
                 str(key): summary(key_probabilities(model, tokenizer, cases[key], thinking=True,

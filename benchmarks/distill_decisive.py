@@ -14,10 +14,13 @@ Three measurements, each per teacher key, on the test split's first `--tasks` ta
   salt"; at low effort in the call's argument) decides it: every later copy follows the first. Teacher-forced on
   the teacher's own greedy episodes that solved the task, each model's probability of the whole key there (the
   product over its tokens) in that model's view.
-- the same models are loaded once each; one sandbox fleet serves every rollout. Run it alone: an episode has a
-  600 s wall-clock budget, and a run sharing its cores with training was cut short (distill-effort-offpolicy-g8.md).
+- the same models are loaded once each; one sandbox fleet serves every rollout. Episodes have no wall clock
+  (`policy_episodes`): a run beside training is slower, not cut short, as one was when they had 600 s
+  (distill-effort-offpolicy-g8.md).
 
-Prints and writes {"kinds": {model: {key: {kind: counts}}}, "key_copy": {model: {key: {mean, median, share>0.5}}}}.
+Prints and writes {"kinds": {model: {key: {kind: counts}}}, "key_copy": {model: {key: {mean, median, share>0.5}}}},
+and with --views "key_copy_views": {model: {key: {view: mean}}} (the same cases in each effort tag's view and
+untagged).
 """
 
 from __future__ import annotations
@@ -124,11 +127,17 @@ def summary(p: list[float]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from openk3.sandbox.fleet import Fleet
 
-    args = runs_parser(__doc__, "of the by-kind episodes (0: greedy)").parse_args(argv)
+    parser = runs_parser(__doc__, "of the by-kind episodes (0: greedy)")
+    parser.add_argument("--views", action="store_true",
+                        help="also P(key) of every model in every view (each effort's tag, and untagged): does the "
+                             "tag decide the copy, or the context it is written in?")  # fmt: skip
+    args = parser.parse_args(argv)
     tokenizer, _, keys, runs = model_runs(args)
     if any(k.domain != "files" for k in keys):
         raise SystemExit("--teachers: this diagnosis knows the files family's questions only")
     result: dict = {"tasks": args.tasks, "temperature": args.temperature, "kinds": {}, "key_copy": {}}
+    if args.views:
+        result["key_copy_views"] = {}
     cases: dict = {}
     with Fleet(max_sandboxes=args.tasks * len(keys) + 8, warm=2, memory_mb=256) as fleet:
         for name, path, run_keys, tagged in runs:
@@ -146,6 +155,14 @@ def main(argv: list[str] | None = None) -> int:
                                                     effort=key.effort if tagged else None))
                 for key in run_keys
             }  # fmt: skip
+            if args.views:  # {key whose cases: {view: mean P(key)}}, the views named by their tag
+                views = {f"tag {k.effort}": k.effort for k in keys} | {"untagged": None}
+                result["key_copy_views"][name] = {
+                    str(key): {view: summary(key_probabilities(model, tokenizer, cases[key], thinking=True,
+                                                               effort=effort)).get("mean")
+                               for view, effort in views.items()}
+                    for key in run_keys
+                }  # fmt: skip
             print(f"{name}: {json.dumps(result['kinds'][name])}", flush=True)
     write_result(result, "key_copy", args.out)
     return 0

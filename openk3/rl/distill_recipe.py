@@ -25,6 +25,7 @@ Legend: (ids, mask) an episode's tokens and its loss mask (the assistant's token
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import torch
@@ -178,11 +179,16 @@ def save_policy(model, tokenizer, path: str) -> str:
 
 def policy_episodes(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet, *, tagged: bool,
                     max_turns: int = 4, max_tokens: int = 256, max_tokens_per_turn: int = 128,
-                    temperature: float = 0.0) -> dict:  # fmt: skip
+                    temperature: float = 0.0, wall_clock_s: float = math.inf) -> dict:  # fmt: skip
     """{key: the finished trajectories of the test split's first `tasks` tasks} (greedy by default, as
     `DistillTrainer.evaluate` picks them): `tagged` renders the effort tag (the student's view), else only the think
     channel of effort keys (a teacher's). `temperature` > 0 samples one episode per task, seeded per task (the
-    rollout's per-trajectory seeds), so two models are compared on the same seeds."""
+    rollout's per-trajectory seeds), so two models are compared on the same seeds.
+
+    No wall clock by default: the turn and token budgets bound every episode (and each tool call keeps its own
+    timeout), and all episodes share one batched engine, so an episode's time since reset is the whole batch's and
+    depends on the machine's load (with 600 s, an evaluation run beside training scored 5% where the same checkpoint
+    scores 55% alone, most likely so). `evaluate_policy` counts the episodes a finite `wall_clock_s` cut."""
     from openk3.rl.config import RLConfig
     from openk3.rl.env import Budgets, TaskSnapshots
     from openk3.rl.loop import engine_config
@@ -192,7 +198,7 @@ def policy_episodes(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet,
     engine = LLMEngine(model, tokenizer, engine_config(RLConfig(out="-"), tasks * len(keys)))
     snapshots = TaskSnapshots(fleet, max_tasks=tasks * len(keys))
     worker = RolloutWorker(engine, tokenizer, fleet, Budgets(max_turns=max_turns, max_tokens=max_tokens,
-                                                             wall_clock_s=600.0),
+                                                             wall_clock_s=wall_clock_s),
                            snapshots=snapshots, max_tokens_per_turn=max_tokens_per_turn)  # fmt: skip
     try:
         trajs = {key: [worker.start(get_family(key.domain).generate("test", i), group=-1, sample=i,
@@ -206,9 +212,11 @@ def policy_episodes(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet,
 
 def evaluate_policy(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet, *, tagged: bool,
                     **options) -> dict:  # fmt: skip
-    """Held-out success and mean response length per key's name, over `policy_episodes` (same arguments)."""
+    """Held-out success, mean response length and the episodes the wall clock cut (`wall_clock_cut`, counted as
+    failures) per key's name, over `policy_episodes` (same arguments)."""
     from openk3.rl.loop import SUCCESS
 
     trajs = policy_episodes(model, tokenizer, keys, tasks, fleet, tagged=tagged, **options)
     return {str(key): {"success": sum(t.reward >= SUCCESS for t in v) / len(v),
-                       "length": sum(t.num_generated for t in v) / len(v)} for key, v in trajs.items()}  # fmt: skip
+                       "length": sum(t.num_generated for t in v) / len(v),
+                       "wall_clock_cut": sum(t.reason == "wall_clock" for t in v)} for key, v in trajs.items()}  # fmt: skip

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from openk3.config import K3Config
-from openk3.data.tokenizer import train_bpe
+from openk3.data.tokenizer import load_tokenizer, train_bpe
 from openk3.model.model import K3ForCausalLM
 from openk3.rl.distill import DistillTrainer, budget_reward, opd_reward
 from openk3.rl.distill_config import DistillConfig, TauSchedule, parse_tau_final
+from openk3.rl.distill_recipe import evaluate_policy
 from openk3.rl.envs import initial_messages
 from openk3.rl.logprobs import sequence_logprobs
 from openk3.rl.teachers import TeacherKey, TeacherRegistry, VocabularyMismatch, parse_teachers
@@ -279,6 +280,20 @@ def test_baseline_methods_run_a_step(policies, fleet, tmp_path, method):
     assert row["step"] == 1 and row["trained_sequences"] == 4
     assert torch.isfinite(torch.tensor(row["loss"]))
     assert "opd_reward" not in row  # neither scores tokens with a teacher
+
+
+def test_held_out_evaluation_has_no_wall_clock_unless_given_and_counts_what_it_cuts(policies, fleet):
+    """The benchmark's evaluation shares one engine over every episode, so a wall clock would judge the machine's
+    load: none by default, and a finite one's cuts are counted (as failures), not hidden."""
+    model, folder = load_model(policies["init"], dtype=torch.float32)
+    tokenizer = load_tokenizer(folder, model.text_config)
+    keys = [TeacherKey("calculator"), TeacherKey("files", "low")]
+    kw = {"tagged": True, "max_turns": 2, "max_tokens": 16, "max_tokens_per_turn": 8}
+    free = evaluate_policy(model.eval(), tokenizer, keys, 2, fleet, **kw)
+    cut = evaluate_policy(model.eval(), tokenizer, keys, 2, fleet, wall_clock_s=0.0, **kw)
+    assert sorted(free) == sorted(cut) == ["calculator", "files:low"]
+    assert all(got["wall_clock_cut"] == 0 for got in free.values())
+    assert all(got == {"success": 0.0, "length": got["length"], "wall_clock_cut": 2} for got in cut.values())
 
 
 # ---- configuration and registry errors -------------------------------------------------------------------------

@@ -196,22 +196,36 @@ def final_evaluation(args, teachers: dict[TeacherKey, str], init: str, methods: 
     own key without the tag, the student's start and each method's last checkpoint on every key with it.
     {name: {"path": checkpoint, "eval": {key: {success, length}}}}, names "teacher KEY", "start" and the methods;
     cached in --work/final_eval_N.json by checkpoint path, so a rerun only re-renders and a continued run (a later
-    last checkpoint) is evaluated again."""
+    last checkpoint) is evaluated again. The file holds paths under --work relative to it, so a copied work folder
+    keeps its cache; the returned paths are whole."""
     n = args.final_eval_tasks
     keys = sorted(teachers)
     cache_file = os.path.join(args.work, f"final_eval_{n}.json")
-    cache = _load(cache_file) or {}
+    stored = _load(cache_file) or {}
+    cache = {name: {**got, "path": _from_work(args.work, got["path"])} for name, got in stored.items()}
     models = [(f"teacher {k}", path, [k], False) for k, path in sorted(teachers.items())]
     models += [("start", init, keys, True)]
     models += [(m, resolve_checkpoint(os.path.join(args.work, f"run-{m}")), keys, True) for m in methods]
-    todo = [m for m in models if cache.get(m[0], {}).get("path") != m[1]]
+    todo = [m for m in models if os.path.normpath(cache.get(m[0], {}).get("path", "")) != os.path.normpath(m[1])]
     if todo:
         for name, path, got, seconds in evaluate_models(todo, n, _budgets(settings)):
             cache[name] = {"path": path, "eval": got}
+            stored[name] = {"path": _in_work(args.work, path), "eval": got}
             with open(cache_file, "w", encoding="utf-8") as f:  # each model as it finishes: resumable
-                json.dump(cache, f, indent=1)
+                json.dump(stored, f, indent=1)
             print(f"final evaluation ({n} tasks per key) {name}: {got} ({seconds:.0f} s)", flush=True)
     return cache
+
+
+def _in_work(work: str, path: str) -> str:
+    """`path` relative to `work` when it lies under it (how the cache stores it), else whole."""
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(work))
+    return path if rel == ".." or rel.startswith(".." + os.sep) else rel
+
+
+def _from_work(work: str, path: str) -> str:
+    """The inverse of `_in_work`: a whole path (a cache written before paths were relative keeps its whole ones)."""
+    return path if os.path.isabs(path) else os.path.join(work, path)
 
 
 def _eval_row(evaluation: dict) -> dict:

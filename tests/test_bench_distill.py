@@ -98,3 +98,14 @@ def test_final_evaluation_judges_each_model_in_its_own_view_once_per_checkpoint(
     again = bench_distill.final_evaluation(args, teachers, f"{tmp_path}/cold", ["opd"], settings)
     assert calls[4:] == [(later, both, 144, True, budgets)] and again["opd"]["path"] == later
     assert (tmp_path / "final_eval_144.json").exists()
+    # the cache holds paths under --work relative to it: a copied work folder is judged from its cache, not again
+    stored = json.loads((tmp_path / "final_eval_144.json").read_text())
+    assert stored["opd"]["path"] == os.path.join("run-opd", "checkpoints", "step-00000060")
+    assert stored["teacher files:low"]["path"] == "t-low"
+    copy = tmp_path / "copy"
+    _ckpt(copy / "run-opd", 60)
+    (copy / "final_eval_144.json").write_text(json.dumps(stored))
+    moved = bench_distill.final_evaluation(SimpleNamespace(final_eval_tasks=144, work=str(copy)),
+                                           parse_teachers(f"files:low={copy}/t-low,files:max={copy}/t-max"),
+                                           f"{copy}/cold", ["opd"], settings)  # fmt: skip
+    assert len(calls) == 5 and moved["opd"] == {**again["opd"], "path": str(copy / "run-opd/checkpoints/step-00000060")}

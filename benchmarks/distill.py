@@ -291,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="weight of the task reward beside the per-token one (k3 distill --task-weight)")  # fmt: skip
     p.add_argument("--budget-weight", type=float, default=1.0,
                    help="weight of the effort budget reward, -1 above tau*b0 (k3 distill --budget-weight)")  # fmt: skip
+    p.add_argument("--teacher-temperature", type=float, default=1.0,
+                   help="the teacher's distribution is softmax(logits / this) (k3 distill --teacher-temperature)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/distill-cpu")
     p.add_argument("--from-rl", default=None, metavar="RUN",
@@ -315,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         settings["task_weight"] = args.task_weight
     if args.budget_weight != 1.0:
         settings["budget_weight"] = args.budget_weight
+    if args.teacher_temperature != 1.0:
+        settings["teacher_temperature"] = args.teacher_temperature
     with open(times_file, "w") as f:
         json.dump(times, f, indent=1)
 

@@ -27,6 +27,10 @@ forward KL from the teacher's top-k next-token distribution, renormalised, to th
 samples); `offpolicy` (SFT on teacher samples: each step the teachers generate the step's episodes in their own
 context and the student is trained by cross-entropy on those tokens behind its own, effort-tagged prompt).
 
+The teacher's distribution is softmax(logits / `teacher_temperature`) in every method: its scores (opd), its
+top-k target (topk) and its samples (offpolicy). The default 1 is Eq. 15 as written; below 1 the target is sharper
+than the teacher samples, a knob the spec does not name (K3's report is silent on it; measured in docs/distill.md).
+
 Legend: T packed tokens (positions 0..n-2 of every trajectory, as `logprobs.sequence_logprobs` returns them), V
 vocabulary, S trajectories.
 """
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from functools import partial
 
 import torch
 
@@ -180,7 +185,8 @@ class DistillTrainer(RLTrainer):
         rewards = [torch.zeros(len(t.tokens) - 1) for t in trajs]
         teacher_lps = [torch.zeros(len(t.tokens) - 1) for t in trajs]
         t0 = time.perf_counter()
-        for idx, theirs in self._teacher_forward(trajs, sequence_logprobs):
+        forward = partial(sequence_logprobs, temperature=self.cfg.teacher_temperature)
+        for idx, theirs in self._teacher_forward(trajs, forward):
             with torch.no_grad():
                 ours = sequence_logprobs(self.model, [trajs[i].tokens for i in idx])
             for i, (start, t_lp), s_lp in zip(idx, theirs, ours):
@@ -263,7 +269,8 @@ class DistillTrainer(RLTrainer):
 
     def _teacher_topk(self, batch: list[Trajectory]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out: list = [None] * len(batch)
-        for idx, rows in self._teacher_forward(batch, sequence_log_softmax):
+        forward = partial(sequence_log_softmax, temperature=self.cfg.teacher_temperature)
+        for idx, rows in self._teacher_forward(batch, forward):
             for i, (start, lp_nV) in zip(idx, rows):
                 # before the episode: any finite row (masked out of the loss)
                 aligned = torch.cat([lp_nV.new_zeros(start, lp_nV.shape[-1]), lp_nV])
@@ -287,7 +294,7 @@ class DistillTrainer(RLTrainer):
             worker = self._teacher_worker(key)
             samples = [worker.start(task, group=group, sample=s, thinking=key.thinking)
                        for group, task in tasks for s in range(cfg.group_size)]  # fmt: skip
-            worker.run(samples, version=0)
+            worker.run(samples, version=0, temperature=cfg.teacher_temperature)
             for sample in samples:
                 # the student's own effort-tagged prompt (no sandbox needed for it), then the teacher's episode
                 prompt = prompt_ids(initial_messages(sample.task), sample.task.tools, self.tokenizer,

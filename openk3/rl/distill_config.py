@@ -61,6 +61,8 @@ class DistillConfig(RLConfig):
     budget_weight: float = flag(1.0, "weight of the effort budget reward (−1 above τ·b0)")
     r_max: float = flag(5.0, "R_max: the per-token reward is clipped to ±R_max")
     topk: int = flag(8, "teacher tokens per position of --method topk")
+    teacher_temperature: float = flag(1.0, "the teacher's distribution is softmax(logits / this) when it scores "
+                                      "(opd), gives its top-k (topk) or samples (offpolicy); 1 is Eq. 15")  # fmt: skip
     residency: str = flag("memory", "teachers kept in memory, or loaded in turn for each scoring", choices=RESIDENCIES)
     tau_start: float = flag(3.0, "τ of every effort at step 0")
     tau_final: str = flag("low=0.5,high=0.8,max=1.5", "τ per effort after annealing")
@@ -83,7 +85,7 @@ class DistillConfig(RLConfig):
         for name in ("opd_weight", "task_weight", "budget_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        for name in ("r_max", "tau_start", "topk"):
+        for name in ("r_max", "tau_start", "topk", "teacher_temperature"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         efforts = {k.effort for k in self.teacher_specs if k.effort is not None}

@@ -19,7 +19,7 @@ from openk3.rl.distill import DistillTrainer, budget_reward, opd_reward
 from openk3.rl.distill_config import DistillConfig, TauSchedule, parse_tau_final
 from openk3.rl.distill_recipe import evaluate_policy
 from openk3.rl.envs import initial_messages
-from openk3.rl.logprobs import sequence_logprobs
+from openk3.rl.logprobs import sequence_log_softmax, sequence_logprobs
 from openk3.rl.teachers import TeacherKey, TeacherRegistry, VocabularyMismatch, parse_teachers
 from openk3.rl.transcript import prompt_ids
 from openk3.train.checkpoint import load_model
@@ -169,6 +169,42 @@ def test_each_token_is_scored_by_the_teacher_of_its_domain_and_effort(policies, 
         for other, s in scores.items():
             if other != key:
                 assert (got[start:] - s).abs().max() > 1e-3, (key, other)
+
+
+def test_teacher_temperature_sharpens_every_teacher_target(policies, fleet, tmp_path):
+    """--teacher-temperature 0.5 with the student's own weights as teacher: the opd scores and the top-k target are
+    the teacher's softmax(logits / 0.5) (so the reward is no longer 0), and the off-policy samples are drawn at 0.5."""
+    cfg = _config(policies, tmp_path / "run", f"calculator={policies['init']}", teacher_temperature=0.5,
+                  budget_weight=0.0)  # fmt: skip
+    trainer = _trainer(cfg, fleet)
+    drawn = []
+    try:
+        trajs = trainer._new_trajectories()
+        trainer.worker.run(trajs, trainer.version)
+        rewards, teacher_lps = trainer.opd_rewards(trajs)
+        targets = trainer._teacher_topk(trajs)
+        worker = trainer._teacher_worker(trainer.key_of(trajs[0]))
+        run = worker.run
+        worker.run = lambda samples, version, **kw: drawn.append(kw) or run(samples, version, **kw)
+        trainer._offpolicy_step()
+    finally:
+        trainer.close()
+    assert drawn == [{"temperature": 0.5}]
+    teacher = load_model(policies["init"], dtype=torch.float32)[0]
+    for traj, reward, got, (ids, q) in zip(trajs, rewards, teacher_lps, targets):
+        start = traj.prompt_len - 1
+        with torch.no_grad():
+            sharp = sequence_logprobs(teacher, [traj.tokens], temperature=0.5)[0][start:]
+            plain = sequence_logprobs(teacher, [traj.tokens])[0][start:]
+            rows = sequence_log_softmax(teacher, [traj.tokens], temperature=0.5)[0][start:]
+        torch.testing.assert_close(got[start:], sharp, rtol=0, atol=1e-5)
+        torch.testing.assert_close(reward[start:], (sharp - plain).clamp(-5, 5), rtol=0, atol=2e-5)
+        assert reward[start:].abs().max() > 1e-3
+        top, top_ids = rows.topk(cfg.topk, dim=-1)
+        assert torch.equal(ids[start:], top_ids)
+        torch.testing.assert_close(q[start:], torch.softmax(top, dim=-1), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="teacher-temperature"):
+        _config(policies, tmp_path / "bad", f"calculator={policies['init']}", teacher_temperature=0.0).validate()
 
 
 # ---- the effort budget -----------------------------------------------------------------------------------------

@@ -80,6 +80,11 @@ def _bar(desc: str, total: int):
     return bar, tick
 
 
+def teacher_folder(work: str, key: TeacherKey) -> str:
+    """Where the recipe saves the teacher of `key` under --work (files:low -> WORK/teacher-files-low)."""
+    return os.path.join(work, f"teacher-{str(key).replace(':', '-')}")
+
+
 def build_recipe(args, keys: list[TeacherKey], times: dict) -> dict[TeacherKey, str]:
     """The cold start and the teachers, each saved once under --work; returns {key: teacher folder}."""
     cold = os.path.join(args.work, "cold")
@@ -102,7 +107,7 @@ def build_recipe(args, keys: list[TeacherKey], times: dict) -> dict[TeacherKey, 
         print(f"cold start: {times['cold_start_s']:.0f} s", flush=True)
     teachers = {}
     for key in keys:
-        path = os.path.join(args.work, f"teacher-{str(key).replace(':', '-')}")
+        path = teacher_folder(args.work, key)
         teachers[key] = path
         if os.path.exists(os.path.join(path, "config.json")):
             continue
@@ -201,20 +206,19 @@ def final_evaluation(args, teachers: dict[TeacherKey, str], init: str, methods: 
     n = args.final_eval_tasks
     keys = sorted(teachers)
     cache_file = os.path.join(args.work, f"final_eval_{n}.json")
-    stored = _load(cache_file) or {}
-    cache = {name: {**got, "path": _from_work(args.work, got["path"])} for name, got in stored.items()}
+    cache = _load(cache_file) or {}  # as stored: paths under --work relative to it
     models = [(f"teacher {k}", path, [k], False) for k, path in sorted(teachers.items())]
     models += [("start", init, keys, True)]
     models += [(m, resolve_checkpoint(os.path.join(args.work, f"run-{m}")), keys, True) for m in methods]
-    todo = [m for m in models if os.path.normpath(cache.get(m[0], {}).get("path", "")) != os.path.normpath(m[1])]
+    todo = [m for m in models if m[0] not in cache
+            or os.path.normpath(_from_work(args.work, cache[m[0]]["path"])) != os.path.normpath(m[1])]  # fmt: skip
     if todo:
         for name, path, got, seconds in evaluate_models(todo, n, _budgets(settings)):
-            cache[name] = {"path": path, "eval": got}
-            stored[name] = {"path": _in_work(args.work, path), "eval": got}
+            cache[name] = {"path": _in_work(args.work, path), "eval": got}
             with open(cache_file, "w", encoding="utf-8") as f:  # each model as it finishes: resumable
-                json.dump(stored, f, indent=1)
+                json.dump(cache, f, indent=1)
             print(f"final evaluation ({n} tasks per key) {name}: {got} ({seconds:.0f} s)", flush=True)
-    return cache
+    return {name: {**got, "path": _from_work(args.work, got["path"])} for name, got in cache.items()}
 
 
 def _in_work(work: str, path: str) -> str:

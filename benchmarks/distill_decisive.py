@@ -11,9 +11,10 @@ Three measurements, each per teacher key, on the test split's first `--tasks` ta
   A teacher runs in its own view (no effort tag), a student in the tagged one, as `benchmarks/distill.py` judges.
 - **the key copy of `find` questions**: "Which value does `salt` have? ..." is answered by grep for the key, so the
   first time an episode writes the key (at max effort in the think channel's plan, "I will call grep with pattern
-  salt"; at low effort in the call's argument) decides it: every later copy follows the first. Teacher-forced on
-  the teacher's own greedy episodes that solved the task, each model's probability of the whole key there (the
-  product over its tokens) in that model's view.
+  salt"; at low effort in the call's argument) is its first step: the later copies mostly follow it, and a wrong
+  answer after a right call is the other half of the max key's find gap (distill-effort-decisive-views.md).
+  Teacher-forced on the teacher's own greedy episodes that solved the task, each model's probability of the whole
+  key there (the product over its tokens) in that model's view.
 - the same models are loaded once each; one sandbox fleet serves every rollout. Episodes have no wall clock
   (`policy_episodes`): a run beside training is slower, not cut short, as one was when they had 600 s
   (distill-effort-offpolicy-g8.md).

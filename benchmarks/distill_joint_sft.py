@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import distill_reeval
-from distill import _bar, _keys
+from distill import _bar, _keys, teacher_folder
 
 from openk3.data.tokenizer import load_tokenizer
 from openk3.rl.distill_recipe import RecipeStream, save_policy, supervised
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     keys = _keys(args.keys)
     cold, path = os.path.join(args.work, "cold"), os.path.join(args.work, "joint-sft")
-    teachers = {k: os.path.join(args.work, f"teacher-{str(k).replace(':', '-')}") for k in keys}
+    teachers = {k: teacher_folder(args.work, k) for k in keys}
     for needed in (cold, *teachers.values()):
         if not os.path.exists(os.path.join(needed, "config.json")):
             raise SystemExit(f"--work {args.work}: no checkpoint at {needed} (run benchmarks/distill.py first)")

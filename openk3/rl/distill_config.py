@@ -12,6 +12,7 @@ from openk3.rl.teachers import RESIDENCIES, TeacherKey, parse_teachers
 from openk3.train.config import flag
 
 METHODS = ("opd", "rl", "topk", "offpolicy")
+OFFPOLICY_KEEP = ("all", "solved")
 CONFIG_FILE = "distill_config.json"
 
 
@@ -63,6 +64,8 @@ class DistillConfig(RLConfig):
     topk: int = flag(8, "teacher tokens per position of --method topk")
     teacher_temperature: float = flag(1.0, "the teacher's distribution is softmax(logits / this) when it scores "
                                       "(opd), gives its top-k (topk) or samples (offpolicy); 1 is Eq. 15")  # fmt: skip
+    offpolicy_keep: str = flag("all", "offpolicy: train on all teacher samples, or only on those that solve their "
+                               "task (rejection sampling)", choices=OFFPOLICY_KEEP)  # fmt: skip
     residency: str = flag("memory", "teachers kept in memory, or loaded in turn for each scoring", choices=RESIDENCIES)
     tau_start: float = flag(3.0, "τ of every effort at step 0")
     tau_final: str = flag("low=0.5,high=0.8,max=1.5", "τ per effort after annealing")
@@ -95,6 +98,9 @@ class DistillConfig(RLConfig):
         if self.uses_budget and self.init is None:
             raise ValueError("the effort budget measures b0 with the cold-start model: pass --init CKPT (or "
                              "--budget-weight 0)")  # fmt: skip
+        if self.offpolicy_keep != "all" and self.method != "offpolicy":
+            raise ValueError(f"--offpolicy-keep {self.offpolicy_keep} filters teacher samples: it needs --method "
+                             f"offpolicy, not {self.method}")  # fmt: skip
         if self.method == "offpolicy" and self.partial_rollout_fraction < 1:
             raise ValueError(
                 "--method offpolicy trains on whole teacher episodes: --partial-rollout-fraction must be 1"

@@ -318,6 +318,55 @@ def test_baseline_methods_run_a_step(policies, fleet, tmp_path, method):
     assert "opd_reward" not in row  # neither scores tokens with a teacher
 
 
+def test_offpolicy_keep_solved_trains_only_on_the_teacher_samples_that_solve_their_task(policies, fleet, tmp_path,
+                                                                                       monkeypatch):  # fmt: skip
+    """Rejection sampling (--offpolicy-keep solved): of a step's teacher samples only the solved ones reach the SFT
+    loss, each whole behind the student's tagged prompt; a step that keeps none leaves the student as it was."""
+    from openk3.rl import sft
+
+    cfg = _config(policies, tmp_path / "run", f"calculator={policies['a']},files:max={policies['b']}",
+                  method="offpolicy", offpolicy_keep="solved", steps=2)  # fmt: skip
+    trainer = _trainer(cfg, fleet)
+    trained, solved = [], []
+    real_loss = sft.sft_loss
+    monkeypatch.setattr(sft, "sft_loss", lambda model, batch: trained.extend(batch) or real_loss(model, batch))
+    verdict = {"solve": lambda sample: sample.sample == 0}  # which samples the test declares solved
+
+    def judged(run):
+        def run_and_judge(samples, version, **kw):
+            run(samples, version, **kw)
+            for sample in samples:
+                sample.reward = 1.0 if verdict["solve"](sample) else 0.0
+                if sample.reward:
+                    solved.append(sample.tokens[sample.prompt_len :])
+
+        return run_and_judge
+
+    try:
+        for key in trainer.keys:
+            worker = trainer._teacher_worker(key)
+            worker.run = judged(worker.run)
+        row = trainer.train_step()
+        verdict["solve"] = lambda sample: False
+        before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        empty = trainer.train_step()
+        after = trainer.model.state_dict()
+    finally:
+        trainer.close()
+    assert row["trained_sequences"] == 2 and row["kept_fraction"] == 0.5 and row["reward"] == 0.5
+    assert len(trained) == len(solved) == 2
+
+    def is_trained(episode):  # some trained sample ends with the episode and masks everything before it
+        return any(tokens[len(tokens) - len(episode) :] == episode and any(mask) and not any(mask[: len(tokens)
+                   - len(episode)]) for tokens, mask in trained)  # fmt: skip
+
+    assert all(is_trained(episode) for episode in solved)
+    assert empty["trained_sequences"] == 0 and empty["kept_fraction"] == 0.0 and empty["step"] == 2
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(ValueError, match="--offpolicy-keep"):
+        _config(policies, tmp_path / "bad", f"calculator={policies['a']}", offpolicy_keep="solved")
+
+
 def test_held_out_evaluation_has_no_wall_clock_unless_given_and_counts_what_it_cuts(policies, fleet):
     """The benchmark's evaluation shares one engine over every episode, so a wall clock would judge the machine's
     load: none by default, and a finite one's cuts are counted (as failures), not hidden."""

@@ -48,7 +48,7 @@ from report import machine_info, targets_table, write_report
 from openk3.config import K3Config
 from openk3.data.tokenizer import load_tokenizer
 from openk3.rl.distill import DistillTrainer
-from openk3.rl.distill_config import METHODS, DistillConfig
+from openk3.rl.distill_config import METHODS, OFFPOLICY_KEEP, DistillConfig
 from openk3.rl.distill_recipe import (
     RecipeStream,
     copy_pretrain,
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="weight of the effort budget reward, -1 above tau*b0 (k3 distill --budget-weight)")  # fmt: skip
     p.add_argument("--teacher-temperature", type=float, default=1.0,
                    help="the teacher's distribution is softmax(logits / this) (k3 distill --teacher-temperature)")  # fmt: skip
-    p.add_argument("--offpolicy-keep", default="all", choices=("all", "solved"),
+    p.add_argument("--offpolicy-keep", default="all", choices=OFFPOLICY_KEEP,
                    help="offpolicy trains on all teacher samples or on those that solve their task only")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/distill-cpu")
@@ -320,14 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                     "max_turns": RECIPE_BUDGETS["max_turns"],
                     "max_tokens": args.max_tokens, "max_tokens_per_turn": args.max_tokens_per_turn,
                     "eval_tasks": args.eval_tasks}  # fmt: skip
-    if args.task_weight:
-        settings["task_weight"] = args.task_weight
-    if args.budget_weight != 1.0:
-        settings["budget_weight"] = args.budget_weight
-    if args.teacher_temperature != 1.0:
-        settings["teacher_temperature"] = args.teacher_temperature
-    if args.offpolicy_keep != "all":
-        settings["offpolicy_keep"] = args.offpolicy_keep
+    for name in ("task_weight", "budget_weight", "teacher_temperature", "offpolicy_keep"):  # k3 distill's, when set
+        if getattr(args, name) != p.get_default(name):
+            settings[name] = getattr(args, name)
     with open(times_file, "w") as f:
         json.dump(times, f, indent=1)
 

@@ -171,10 +171,10 @@ def run_method(args, method: str, teachers: dict[TeacherKey, str], init: str, se
 
 
 def evaluate_models(models: list[tuple[str, str, list[TeacherKey], bool]], tasks: int, budgets: dict, *,
-                    temperature: float = 0.0, tokenizer=None):  # fmt: skip
+                    temperature: float = 0.0, tokenizer=None, first: int = 0):  # fmt: skip
     """For each (name, checkpoint, keys, tagged) of `models` in turn: (name, checkpoint, `evaluate_policy`'s {key:
-    {success, length}} on the test split's first `tasks` tasks per key, seconds), in one sandbox fleet. A model's
-    own tokenizer unless `tokenizer` is given."""
+    {success, length}} on the test split's `tasks` tasks per key from task `first` (0: its first), seconds), in one
+    sandbox fleet. A model's own tokenizer unless `tokenizer` is given."""
     from openk3.sandbox.fleet import Fleet
 
     with Fleet(max_sandboxes=tasks * max(len(ks) for _, _, ks, _ in models) + 8, warm=2, memory_mb=256) as fleet:
@@ -183,7 +183,7 @@ def evaluate_models(models: list[tuple[str, str, list[TeacherKey], bool]], tasks
             model, folder = load_model(path, dtype=torch.float32)
             tok = tokenizer if tokenizer is not None else load_tokenizer(folder, model.text_config)
             got = evaluate_policy(model.eval(), tok, keys, tasks, fleet, tagged=tagged, temperature=temperature,
-                                  **budgets)  # fmt: skip
+                                  first=first, **budgets)  # fmt: skip
             yield name, path, got, time.perf_counter() - t0
 
 

@@ -5,7 +5,7 @@ question.
     python benchmarks/distill_decisive.py --tokenizer WORK/cold --teachers files:max=WORK/teacher-files-max \\
         --students start=WORK/cold,opd30=WORK/run-opd/checkpoints/step-00000030 --tasks 144 --out FILE.json
 
-Three measurements, each per teacher key, on the test split's first `--tasks` tasks:
+Three measurements, each per teacher key, on `--tasks` test-split tasks from `--first` (0: its first):
 - **by question kind** (value, count, find; `rl/envs/files.py`): each model's greedy (or `--temperature`) episodes,
   counted as solved, and as opening with the right tool call (the first call's arguments equal the demonstration's).
   A teacher runs in its own view (no effort tag), a student in the tagged one, as `benchmarks/distill.py` judges.
@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer, _, keys, runs = model_runs(args)
     if any(k.domain != "files" for k in keys):
         raise SystemExit("--teachers: this diagnosis knows the files family's questions only")
-    result: dict = {"tasks": args.tasks, "temperature": args.temperature, "kinds": {}, "key_copy": {}}
+    result: dict = {"tasks": args.tasks, "first": args.first, "temperature": args.temperature, "kinds": {},
+                    "key_copy": {}}  # fmt: skip
     if args.views:
         result["key_copy_views"] = {}
     cases: dict = {}
@@ -144,11 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, path, run_keys, tagged in runs:
             model = load_model(path, dtype=torch.float32)[0].eval()
             trajs = policy_episodes(model, tokenizer, run_keys, args.tasks, fleet, tagged=tagged,
-                                    temperature=args.temperature, **RECIPE_BUDGETS)  # fmt: skip
+                                    temperature=args.temperature, first=args.first, **RECIPE_BUDGETS)  # fmt: skip
             if not tagged:  # the teacher's greedy episodes give the key-copy cases of its key
                 (key,) = run_keys
                 greedy = trajs[key] if args.temperature == 0 else policy_episodes(
-                    model, tokenizer, [key], args.tasks, fleet, tagged=False, **RECIPE_BUDGETS)[key]  # fmt: skip
+                    model, tokenizer, [key], args.tasks, fleet, tagged=False, first=args.first,
+                    **RECIPE_BUDGETS)[key]  # fmt: skip
                 cases[key] = key_copy_cases(greedy, tokenizer)
             result["kinds"][name] = {str(k): by_kind(v, tokenizer) for k, v in trajs.items()}
             result["key_copy"][name] = {  # a teacher on its own key, untagged; a student on each key, tagged

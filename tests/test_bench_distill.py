@@ -57,8 +57,8 @@ def test_final_evaluation_judges_each_model_in_its_own_view_once_per_checkpoint(
 
     calls = []
 
-    def evaluate(model, tokenizer, keys, n, fleet, *, tagged, temperature, **budgets):
-        assert temperature == 0.0  # the targets are judged greedily
+    def evaluate(model, tokenizer, keys, n, fleet, *, tagged, temperature, first, **budgets):
+        assert temperature == 0.0 and first == 0  # the targets are judged greedily, on the test split's first tasks
         calls.append((model.path, [str(k) for k in keys], n, tagged, budgets))
         return {str(k): {"success": 0.5, "length": 10.0 * len(calls)} for k in keys}
 

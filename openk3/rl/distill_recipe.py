@@ -179,11 +179,13 @@ def save_policy(model, tokenizer, path: str) -> str:
 
 def policy_episodes(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet, *, tagged: bool,
                     max_turns: int = 4, max_tokens: int = 256, max_tokens_per_turn: int = 128,
-                    temperature: float = 0.0, wall_clock_s: float = math.inf) -> dict:  # fmt: skip
-    """{key: the finished trajectories of the test split's first `tasks` tasks} (greedy by default, as
-    `DistillTrainer.evaluate` picks them): `tagged` renders the effort tag (the student's view), else only the think
-    channel of effort keys (a teacher's). `temperature` > 0 samples one episode per task, seeded per task (the
-    rollout's per-trajectory seeds), so two models are compared on the same seeds.
+                    temperature: float = 0.0, wall_clock_s: float = math.inf,
+                    first: int = 0) -> dict:  # fmt: skip
+    """{key: the finished trajectories of the test split's tasks `first` .. `first + tasks - 1`}, greedy by default,
+    as `DistillTrainer.evaluate` picks them. `first` > 0 gives a second held-out set, one no checkpoint was chosen
+    on (the runs' evaluations use the first tasks). `tagged` renders the effort tag (the student's view), else only
+    the think channel of effort keys (a teacher's). `temperature` > 0 samples one episode per task, seeded per task
+    (the rollout's per-trajectory seeds), so two models are compared on the same seeds.
 
     No wall clock by default: the turn and token budgets bound every episode (and each tool call keeps its own
     timeout), and all episodes share one batched engine, so an episode's time since reset is the whole batch's and
@@ -195,6 +197,8 @@ def policy_episodes(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet,
     from openk3.rl.rollout import RolloutWorker
     from openk3.serve.engine import LLMEngine
 
+    if first < 0:
+        raise ValueError(f"first must be >= 0 (a test-split task index), got {first}")
     engine = LLMEngine(model, tokenizer, engine_config(RLConfig(out="-"), tasks * len(keys)))
     snapshots = TaskSnapshots(fleet, max_tasks=tasks * len(keys))
     worker = RolloutWorker(engine, tokenizer, fleet, Budgets(max_turns=max_turns, max_tokens=max_tokens,
@@ -203,7 +207,7 @@ def policy_episodes(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet,
     try:
         trajs = {key: [worker.start(get_family(key.domain).generate("test", i), group=-1, sample=i,
                                     thinking=key.thinking, effort=key.effort if tagged else None)
-                       for i in range(tasks)] for key in keys}  # fmt: skip
+                       for i in range(first, first + tasks)] for key in keys}  # fmt: skip
         worker.run([t for v in trajs.values() for t in v], version=0, temperature=temperature)
     finally:
         snapshots.close()

@@ -17,7 +17,7 @@ from openk3.data.tokenizer import load_tokenizer, train_bpe
 from openk3.model.model import K3ForCausalLM
 from openk3.rl.distill import DistillTrainer, budget_reward, opd_reward
 from openk3.rl.distill_config import DistillConfig, TauSchedule, parse_tau_final
-from openk3.rl.distill_recipe import evaluate_policy
+from openk3.rl.distill_recipe import evaluate_policy, policy_episodes
 from openk3.rl.envs import initial_messages
 from openk3.rl.logprobs import sequence_log_softmax, sequence_logprobs
 from openk3.rl.teachers import TeacherKey, TeacherRegistry, VocabularyMismatch, parse_teachers
@@ -379,6 +379,22 @@ def test_held_out_evaluation_has_no_wall_clock_unless_given_and_counts_what_it_c
     assert sorted(free) == sorted(cut) == ["calculator", "files:low"]
     assert all(got["wall_clock_cut"] == 0 for got in free.values())
     assert all(got == {"success": 0.0, "length": got["length"], "wall_clock_cut": 2} for got in cut.values())
+
+
+def test_held_out_evaluation_from_a_later_task_runs_exactly_those_tasks(policies, fleet):
+    """`first` gives a second held-out set (`distill_reeval.py --first`): the test split's tasks first .. first +
+    tasks - 1, each seeded by its own index, so a task scores the same in either set."""
+    model, folder = load_model(policies["init"], dtype=torch.float32)
+    tokenizer = load_tokenizer(folder, model.text_config)
+    key = TeacherKey("files", "low")
+    kw = {"tagged": True, "max_turns": 2, "max_tokens": 16, "max_tokens_per_turn": 8, "temperature": 1.0}
+    whole = policy_episodes(model.eval(), tokenizer, [key], 5, fleet, **kw)[key]
+    later = policy_episodes(model.eval(), tokenizer, [key], 2, fleet, first=3, **kw)[key]
+    assert [t.task.task_id for t in later] == ["files/test/3", "files/test/4"] and [t.sample for t in later] == [3, 4]
+    assert [t.task for t in later] == [t.task for t in whole[3:]]
+    assert [t.tokens for t in later] == [t.tokens for t in whole[3:]]
+    with pytest.raises(ValueError, match="first must be >= 0"):
+        policy_episodes(model.eval(), tokenizer, [key], 2, fleet, first=-1, **kw)
 
 
 # ---- configuration and registry errors -------------------------------------------------------------------------

@@ -222,7 +222,11 @@ class NamespaceSandbox(Sandbox):
                     pass
             if not wait or self._pidfd < 0:
                 return
-            select.select([self._pidfd], [], [], EXIT_WAIT_S)  # readable once it (and its namespace) is gone
+            # readable once it (and its namespace) is gone; poll, not select: select() refuses descriptors past
+            # FD_SETSIZE (1024), which a fleet of some hundred sandboxes (a pidfd and a socket each) passes
+            poller = select.poll()
+            poller.register(self._pidfd, select.POLLIN)
+            poller.poll(EXIT_WAIT_S * 1000)
             os.close(self._pidfd)
             self._pidfd = -1
         try:

@@ -96,9 +96,12 @@ class SandboxedRenderer:
 
     def _read_line(self, proc: subprocess.Popen, deadline: float) -> str:
         fd, parts = proc.stdout.fileno(), []
+        # poll, not select(): select() refuses descriptors past FD_SETSIZE (1024), which a busy server passes
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not poller.poll(left * 1000):
                 raise TemplateFailed(f"the chat template did not finish within {self.timeout_s:g} s")
             chunk = os.read(fd, 1 << 20)
             if not chunk:

@@ -109,3 +109,40 @@ def test_final_evaluation_judges_each_model_in_its_own_view_once_per_checkpoint(
                                            parse_teachers(f"files:low={copy}/t-low,files:max={copy}/t-max"),
                                            f"{copy}/cold", ["opd"], settings)  # fmt: skip
     assert len(calls) == 5 and moved["opd"] == {**again["opd"], "path": str(copy / "run-opd/checkpoints/step-00000060")}
+    # a run cleared and run again to the same step (other settings) has the same path but other weights: judged again
+    (copy / "run-opd" / "checkpoints" / "step-00000060" / "model.safetensors").write_bytes(b"other weights")
+    rerun = bench_distill.final_evaluation(SimpleNamespace(final_eval_tasks=144, work=str(copy)),
+                                           parse_teachers(f"files:low={copy}/t-low,files:max={copy}/t-max"),
+                                           f"{copy}/cold", ["opd"], settings)  # fmt: skip
+    assert calls[5:] == [(str(copy / "run-opd/checkpoints/step-00000060"), both, 144, True, budgets)]
+    assert rerun["opd"]["eval"]["files:low"]["length"] == 60.0
+    # an entry written before fingerprints were kept is trusted by its path
+    stored = json.loads((copy / "final_eval_144.json").read_text())
+    del stored["opd"]["fingerprint"]
+    (copy / "model.safetensors").write_bytes(b"")
+    assert bench_distill._stale(str(copy), stored["opd"], str(copy / "run-opd/checkpoints/step-00000060")) is False
+    assert bench_distill._stale(str(copy), stored["teacher files:low"], str(copy / "t-low")) is False
+
+
+def test_the_effort_target_is_judged_for_every_distilling_method_and_either_way():
+    from openk3.rl.teachers import parse_teachers
+
+    keys = sorted(parse_teachers("calculator=a,files:low=b,files:max=c"))
+
+    def final(low_len, max_len, low_ok, max_ok):
+        return {"eval_length": {"calculator": 80.0, "files:low": low_len, "files:max": max_len},
+                "eval_success": {"calculator": 0.5, "files:low": low_ok, "files:max": max_ok}}  # fmt: skip
+
+    finals = {"offpolicy": final(86, 214, 0.81, 0.81), "rl": final(50, 200, 0.5, 0.5),
+              "opd": final(130, 200, 0.6, 0.6), "topk": final(80, 200, 0.95, 0.80)}  # fmt: skip
+    by_method, rows = bench_distill.effort_targets(keys, finals)
+    assert list(by_method) == ["opd", "offpolicy", "topk"]  # opd first; rl is no distillation
+    assert by_method["offpolicy"] == {"length_ratio": 86 / 214, "success_gap": 0.0, "low": "files:low",
+                                      "max": "files:max"}  # fmt: skip
+    assert [r["target"].split(":")[0] for r in rows] == ["opd", "offpolicy", "topk"]
+    # opd: 0.65x is too long; offpolicy: 0.40x, level; topk: short enough, but low is 15 points above max
+    assert [r["met"] for r in rows] == [False, True, False]
+    assert rows[1]["measured"] == "86 / 214 tokens = 0.40x; success 81% vs 81%"
+    # exactly 10 points apart is within 10
+    assert bench_distill.effort_targets(keys, {"opd": final(80, 200, 0.7, 0.8)})[1][0]["met"]
+    assert bench_distill.effort_targets(parse_teachers("calculator=a,files:max=c"), finals) == ({}, [])

@@ -116,10 +116,10 @@ def test_final_evaluation_judges_each_model_in_its_own_view_once_per_checkpoint(
                                            f"{copy}/cold", ["opd"], settings)  # fmt: skip
     assert calls[5:] == [(str(copy / "run-opd/checkpoints/step-00000060"), both, 144, True, budgets)]
     assert rerun["opd"]["eval"]["files:low"]["length"] == 60.0
-    # an entry written before fingerprints were kept is trusted by its path
+    # an entry written before fingerprints were kept is trusted by its path, whatever the folder holds now
     stored = json.loads((copy / "final_eval_144.json").read_text())
     del stored["opd"]["fingerprint"]
-    (copy / "model.safetensors").write_bytes(b"")
+    (copy / "run-opd" / "checkpoints" / "step-00000060" / "model.safetensors").write_bytes(b"newer weights")
     assert bench_distill._stale(str(copy), stored["opd"], str(copy / "run-opd/checkpoints/step-00000060")) is False
     assert bench_distill._stale(str(copy), stored["teacher files:low"], str(copy / "t-low")) is False
 

@@ -50,7 +50,7 @@ from report import machine_info, targets_table, write_report
 from openk3.config import K3Config
 from openk3.data.tokenizer import load_tokenizer
 from openk3.rl.distill import DistillTrainer
-from openk3.rl.distill_config import METHODS, OFFPOLICY_KEEP, DistillConfig
+from openk3.rl.distill_config import METHODS, OFFPOLICY_KEEP, OFFPOLICY_WEIGHTS, DistillConfig
 from openk3.rl.distill_recipe import (
     RecipeStream,
     copy_pretrain,
@@ -349,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the teacher's distribution is softmax(logits / this) (k3 distill --teacher-temperature)")  # fmt: skip
     p.add_argument("--offpolicy-keep", default="all", choices=OFFPOLICY_KEEP,
                    help="offpolicy trains on all teacher samples or on those that solve their task only")  # fmt: skip
+    p.add_argument("--offpolicy-weight", default="tokens", choices=OFFPOLICY_WEIGHTS,
+                   help="offpolicy weighs every kept token the same, or each teacher key the same")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/distill-cpu")
     p.add_argument("--from-rl", default=None, metavar="RUN",
@@ -369,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                     "max_turns": RECIPE_BUDGETS["max_turns"],
                     "max_tokens": args.max_tokens, "max_tokens_per_turn": args.max_tokens_per_turn,
                     "eval_tasks": args.eval_tasks}  # fmt: skip
-    for name in ("task_weight", "budget_weight", "teacher_temperature", "offpolicy_keep"):  # k3 distill's, when set
+    k3_distill_flags = ("task_weight", "budget_weight", "teacher_temperature", "offpolicy_keep", "offpolicy_weight")
+    for name in k3_distill_flags:  # k3 distill's, when set
         if getattr(args, name) != p.get_default(name):
             settings[name] = getattr(args, name)
     with open(times_file, "w") as f:

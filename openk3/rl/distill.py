@@ -27,7 +27,8 @@ forward KL from the teacher's top-k next-token distribution, renormalised, to th
 samples); `offpolicy` (SFT on teacher samples: each step the teachers generate the step's episodes in their own
 context and the student is trained by cross-entropy on those tokens behind its own, effort-tagged prompt;
 `--offpolicy-keep solved` keeps only the samples that solve their task: rejection sampling, as in distilling from
-filtered teacher outputs).
+filtered teacher outputs; `--offpolicy-weight keys` makes the loss the mean over the step's teacher keys of each key's
+token mean, instead of one mean over all kept tokens, so a domain of short answers weighs as much as a long one).
 
 The teacher's distribution is softmax(logits / `teacher_temperature`) in every method: its scores (opd), its
 top-k target (topk) and its samples (offpolicy). The default 1 is Eq. 15 as written; below 1 the target is sharper
@@ -40,7 +41,7 @@ vocabulary, S trajectories.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from functools import partial
 
 import torch
@@ -72,6 +73,37 @@ def budget_reward(length: int, b0: float, tau: float) -> float:
 
 
 # ---- the trainer -----------------------------------------------------------------------------------------------
+def loss_groups(keys: list[str], weight: str) -> list[list[int]]:
+    """The groups of an offpolicy batch whose token means are averaged into the step's loss: one group of every
+    sample (`weight` "tokens": each kept token weighs the same), or one per teacher key, keys in order ("keys": each
+    key present weighs the same, whatever its samples' number and lengths). `keys`: each sample's teacher key."""
+    if weight == "tokens":
+        return [list(range(len(keys)))] if keys else []
+    if weight != "keys":
+        raise ValueError(f"offpolicy weight {weight!r}: expected tokens or keys")
+    by_key = defaultdict(list)
+    for i, key in enumerate(keys):
+        by_key[key].append(i)
+    return [by_key[k] for k in sorted(by_key)]
+
+
+def offpolicy_backward(model, batch: list[tuple[list[int], list[bool]]], groups: list[list[int]],
+                       micro_batch_tokens: int) -> float:  # fmt: skip
+    """Backpropagate L = mean over `groups` of (the group's cross-entropy summed over its masked tokens / their
+    count), micro-batched within each group; returns L. The gradients add up to those of L in one forward."""
+    from openk3.rl import sft  # looked up at call time: tests watch sft.sft_loss
+
+    total = 0.0
+    for members in groups:
+        n_group = sum(sum(batch[i][1][1:]) for i in members)  # position 0 is never predicted
+        for chunk in micro_batches([len(batch[i][0]) for i in members], micro_batch_tokens):
+            loss, n = sft.sft_loss(model, [batch[members[j]] for j in chunk])
+            scale = n / max(n_group, 1) / len(groups)
+            (loss * scale).backward()
+            total += loss.item() * scale
+    return total
+
+
 class DistillTrainer(RLTrainer):
     cfg: DistillConfig
     command = "k3 distill"
@@ -285,14 +317,12 @@ class DistillTrainer(RLTrainer):
         temperature), and the student is trained by cross-entropy on the teachers' tokens behind its own
         effort-tagged prompt (on the samples that solve their task only, with `offpolicy_keep` "solved"; a step that
         keeps none makes no update)."""
-        from openk3.rl.sft import sft_loss
-
         cfg = self.cfg
         t_step = time.perf_counter()
         by_key = defaultdict(list)
         for group, key, task in self._step_tasks():
             by_key[key].append((group, task))
-        batch, rewards, lengths = [], [], []
+        batch, batch_keys, rewards, lengths = [], [], [], []
         gen_tokens = 0
         for key, tasks in sorted(by_key.items()):
             worker = self._teacher_worker(key)
@@ -311,15 +341,12 @@ class DistillTrainer(RLTrainer):
                 tokens = prompt + sample.tokens[sample.prompt_len :]
                 mask = [False] * len(prompt) + sample.generated[sample.prompt_len :]
                 batch.append((tokens, mask))
+                batch_keys.append(str(key))
         t_rollout = time.perf_counter() - t_step
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        n_total = sum(sum(m[1:]) for _, m in batch)
-        for chunk in micro_batches([len(b[0]) for b in batch], cfg.micro_batch_tokens):
-            loss, n = sft_loss(self.model, [batch[i] for i in chunk])
-            (loss * n / max(n_total, 1)).backward()
-            total += loss.item() * n / max(n_total, 1)
+        total = offpolicy_backward(self.model, batch, loss_groups(batch_keys, cfg.offpolicy_weight),
+                                   cfg.micro_batch_tokens)  # fmt: skip
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if batch and torch.isfinite(grad_norm):
             self.optimizer.step()
@@ -333,7 +360,8 @@ class DistillTrainer(RLTrainer):
                 "kept_fraction": len(batch) / n,
                 "rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9), "train_share": t_train / (time.perf_counter()
                 - t_step), "step_s": time.perf_counter() - t_step, "routing_replay": cfg.routing_replay,
-                "version": self.version, "trained_sequences": len(batch)}  # fmt: skip
+                "version": self.version, "trained_sequences": len(batch),
+                "trained_by_key": dict(sorted(Counter(batch_keys).items()))}  # fmt: skip
 
     def _teacher_worker(self, key: TeacherKey) -> RolloutWorker:
         if key not in self._teacher_workers:

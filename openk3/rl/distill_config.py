@@ -13,6 +13,7 @@ from openk3.train.config import flag
 
 METHODS = ("opd", "rl", "topk", "offpolicy")
 OFFPOLICY_KEEP = ("all", "solved")
+OFFPOLICY_WEIGHTS = ("tokens", "keys")
 CONFIG_FILE = "distill_config.json"
 
 
@@ -66,6 +67,9 @@ class DistillConfig(RLConfig):
                                       "(opd), gives its top-k (topk) or samples (offpolicy); 1 is Eq. 15")  # fmt: skip
     offpolicy_keep: str = flag("all", "offpolicy: train on all teacher samples, or only on those that solve their "
                                "task (rejection sampling)", choices=OFFPOLICY_KEEP)  # fmt: skip
+    offpolicy_weight: str = flag("tokens", "offpolicy: every kept teacher token weighs the same in a step's loss "
+                                 "(tokens), or each teacher key's tokens together weigh the same (keys), so a domain "
+                                 "of short answers is not outweighed by long ones", choices=OFFPOLICY_WEIGHTS)  # fmt: skip
     residency: str = flag("memory", "teachers kept in memory, or loaded in turn for each scoring", choices=RESIDENCIES)
     tau_start: float = flag(3.0, "τ of every effort at step 0")
     tau_final: str = flag("low=0.5,high=0.8,max=1.5", "τ per effort after annealing")
@@ -100,6 +104,9 @@ class DistillConfig(RLConfig):
                              "--budget-weight 0)")  # fmt: skip
         if self.offpolicy_keep != "all" and self.method != "offpolicy":
             raise ValueError(f"--offpolicy-keep {self.offpolicy_keep} filters teacher samples: it needs --method "
+                             f"offpolicy, not {self.method}")  # fmt: skip
+        if self.offpolicy_weight != "tokens" and self.method != "offpolicy":
+            raise ValueError(f"--offpolicy-weight {self.offpolicy_weight} weighs teacher samples: it needs --method "
                              f"offpolicy, not {self.method}")  # fmt: skip
         if self.method == "offpolicy" and self.partial_rollout_fraction < 1:
             raise ValueError(

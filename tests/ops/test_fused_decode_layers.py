@@ -62,7 +62,11 @@ def _kda(dtype, seed=0):
     with torch.no_grad():
         layer.A_log.copy_(torch.randn(layer.A_log.shape, generator=torch.Generator().manual_seed(seed + 1)))
     for name, p in layer.named_parameters():  # the release keeps these fp32
-        p.data = p.data.float() if name.endswith(("A_log", "dt_bias", "conv1d.weight", "o_norm.weight")) else p.data.to(dtype)
+        p.data = (
+            p.data.float()
+            if name.endswith(("A_log", "dt_bias", "conv1d.weight", "o_norm.weight"))
+            else p.data.to(dtype)
+        )
     return layer.requires_grad_(False)
 
 
@@ -76,7 +80,9 @@ def _kda_cache(layer, N, dtype, seed, scale=1.0):
 
 
 def _decode(layer, x, cache):
-    batch = ForwardBatch.from_lengths(torch.zeros(x.shape[0], dtype=torch.long), [1] * x.shape[0], cache=_Cache(x.shape[0]))
+    batch = ForwardBatch.from_lengths(
+        torch.zeros(x.shape[0], dtype=torch.long), [1] * x.shape[0], cache=_Cache(x.shape[0])
+    )
     assert batch.mode is Mode.DECODE
     with torch.no_grad():
         return layer(x, batch, cache)
@@ -402,11 +408,14 @@ def test_mix_norm_prepares_per_site_and_modules_still_copy():
     import pickle
 
     D = 16
+    g = torch.Generator().manual_seed(0)
     norm = RMSNorm(D, 1e-6).requires_grad_(False)
     proj_a, proj_b = (torch.nn.Linear(D, 1, bias=False).requires_grad_(False) for _ in range(2))
     with torch.no_grad():
-        proj_b.weight.mul_(-3.0)
-        bank, partial = [torch.randn(2, D)], torch.randn(2, D)
+        norm.weight.copy_(1 + 0.1 * torch.randn(D, generator=g))  # RMSNorm's weight starts as torch.empty: set it
+        proj_a.weight.copy_(torch.randn(1, D, generator=g) / D**0.5)
+        proj_b.weight.copy_(-3.0 * proj_a.weight + 0.1 * torch.randn(1, D, generator=g))
+        bank, partial = [torch.randn(2, D, generator=g)], torch.randn(2, D, generator=g)
         for proj in (proj_a, proj_b, proj_a):  # the same key norm with another query: not the other's kernel
             _close(mix_norm(bank, partial, norm, proj, norm), norm(mix(bank, partial, norm, proj)), torch.float32)
     assert _prepared(norm) is not None
@@ -414,4 +423,3 @@ def test_mix_norm_prepares_per_site_and_modules_still_copy():
     copied = copy.deepcopy(norm)
     with torch.no_grad():
         _close(mix_norm(bank, partial, copied, proj_a, copied), norm(mix(bank, partial, norm, proj_a)), torch.float32)
-

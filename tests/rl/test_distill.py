@@ -15,7 +15,7 @@ import torch
 from openk3.config import K3Config
 from openk3.data.tokenizer import load_tokenizer, train_bpe
 from openk3.model.model import K3ForCausalLM
-from openk3.rl.distill import DistillTrainer, budget_reward, opd_reward
+from openk3.rl.distill import DistillTrainer, budget_reward, loss_groups, offpolicy_backward, opd_reward
 from openk3.rl.distill_config import DistillConfig, TauSchedule, parse_tau_final
 from openk3.rl.distill_recipe import evaluate_policy, policy_episodes
 from openk3.rl.envs import initial_messages
@@ -365,6 +365,68 @@ def test_offpolicy_keep_solved_trains_only_on_the_teacher_samples_that_solve_the
     assert all(torch.equal(before[k], after[k]) for k in before)
     with pytest.raises(ValueError, match="--offpolicy-keep"):
         _config(policies, tmp_path / "bad", f"calculator={policies['a']}", offpolicy_keep="solved")
+
+
+def test_offpolicy_loss_groups_weigh_every_token_or_every_key():
+    keys = ["files:max", "calculator", "files:max", "code-fix", "calculator"]
+    assert loss_groups(keys, "tokens") == [[0, 1, 2, 3, 4]]
+    assert loss_groups(keys, "keys") == [[1, 4], [3], [0, 2]]  # keys in order; a key absent from the step is no group
+    assert loss_groups([], "tokens") == loss_groups([], "keys") == []
+    with pytest.raises(ValueError, match="'samples'"):
+        loss_groups(keys, "samples")
+
+
+@pytest.mark.parametrize("weight", ["tokens", "keys"])
+def test_offpolicy_backward_equals_one_forward_of_its_loss(policies, weight):
+    """The micro-batched loss (several chunks per group here) gives the value and gradients of the plain formula in
+    one forward: per group the cross-entropy summed over its masked tokens / their count, averaged over the groups.
+    Ragged lengths, groups of one sample and of several, masks with holes (tool output between turns)."""
+    model, _ = load_model(policies["init"], dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    vocab = model.text_config.vocab_size
+    batch, keys = [], []
+    for i, (n, key) in enumerate([(9, "a"), (23, "b"), (5, "a"), (14, "c"), (31, "b"), (7, "b")]):
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        mask = [False] * 3 + [j % 5 != 2 for j in range(n - 3)]
+        batch.append((ids, mask))
+        keys.append(key)
+    groups = loss_groups(keys, weight)
+
+    model.zero_grad(set_to_none=True)
+    got = offpolicy_backward(model, batch, groups, micro_batch_tokens=24)
+    got_grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    model.zero_grad(set_to_none=True)
+    logps = sequence_logprobs(model, [ids for ids, _ in batch])
+    terms = []
+    for members in groups:
+        nll = sum(-(logps[i] * torch.tensor(batch[i][1][1:], dtype=torch.float32)).sum() for i in members)
+        terms.append(nll / sum(sum(batch[i][1][1:]) for i in members))
+    want = torch.stack(terms).mean()
+    want.backward()
+    assert got == pytest.approx(want.item(), rel=1e-5)
+    assert got_grads.keys() == {k for k, p in model.named_parameters() if p.grad is not None}
+    for k, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(got_grads[k], p.grad, rtol=1e-4, atol=1e-4 * float(p.grad.abs().max()))
+    if weight == "keys":  # and it is not the token mean: key "a" has few tokens and weighs a third here
+        token_mean = -sum((logps[i] * torch.tensor(m[1:], dtype=torch.float32)).sum() for i, (_, m) in
+                          enumerate(batch)) / sum(sum(m[1:]) for _, m in batch)  # fmt: skip
+        assert abs(token_mean.item() - got) > 1e-4
+
+
+def test_offpolicy_weight_keys_trains_each_key_and_needs_offpolicy(policies, fleet, tmp_path):
+    cfg = _config(policies, tmp_path / "run", f"calculator={policies['a']},files:max={policies['b']}",
+                  method="offpolicy", offpolicy_weight="keys", steps=1)  # fmt: skip
+    trainer = _trainer(cfg, fleet)
+    try:
+        row = trainer.train_step()
+    finally:
+        trainer.close()
+    assert row["trained_by_key"] == {"calculator": 2, "files:max": 2}
+    assert torch.isfinite(torch.tensor(row["loss"])) and row["loss"] > 0
+    with pytest.raises(ValueError, match="--offpolicy-weight"):
+        _config(policies, tmp_path / "bad", f"calculator={policies['a']}", offpolicy_weight="keys")
 
 
 def test_held_out_evaluation_has_no_wall_clock_unless_given_and_counts_what_it_cuts(policies, fleet):

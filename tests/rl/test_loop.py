@@ -14,6 +14,7 @@ from openk3.config import K3Config
 from openk3.data.tokenizer import train_bpe
 from openk3.model.model import K3ForCausalLM
 from openk3.rl.config import RLConfig
+from openk3.train.optim import param_groups
 from tests.parallel.dist_helpers import run_ranks
 
 REQUIRED = ("step", "reward", "success", "logprob_gap", "routing_replay", "rollout_tokens_per_s")
@@ -69,6 +70,36 @@ def test_run_metrics_resume_and_plot(init_dir, tmp_path, fleet):
     assert [("copy_step" in r, "sft_step" in r) for r in warm_rows] == [(True, False), (False, True)]
     written = plot_rl_run(out)
     assert {os.path.basename(p) for p in written} == {"reward.png", "logprob_gap.png"}
+
+
+def test_a_resumed_run_takes_this_runs_learning_rate_not_the_checkpoints(init_dir, tmp_path, fleet):
+    """Loading the optimizer's state restores its param groups; the command's --lr and --weight-decay must still
+    win (a run resumed at a lower rate would otherwise silently keep the old one), and the change is logged. The
+    moments are the checkpoint's all the same."""
+    from openk3.rl.loop import RLTrainer
+
+    out = str(tmp_path / "run")
+    trainer = RLTrainer(_config(init_dir, out, steps=2, stop_after=1, lr=1e-3), log=lambda *a: None, fleet=fleet)
+    trainer.run()
+    saved = {k: v["exp_avg"].clone() for k, v in trainer.optimizer.state_dict()["state"].items()}
+    trainer.close()
+    lines = []
+    trainer = RLTrainer(_config(init_dir, out, steps=2, resume=True, lr=2.5e-4, weight_decay=0.01), log=lines.append,
+                        fleet=fleet)  # fmt: skip
+    try:
+        groups = trainer.optimizer.param_groups
+        assert {g["lr"] for g in groups} == {2.5e-4}
+        assert sorted(g["weight_decay"] for g in groups) == sorted(g["weight_decay"] for g in
+                                                                   param_groups(trainer.model, 0.01))  # fmt: skip
+        assert any("lr 0.001 -> 0.00025" in line for line in lines), lines
+        state = trainer.optimizer.state_dict()["state"]
+        assert saved and all(torch.equal(state[k]["exp_avg"], saved[k]) for k in saved)
+    finally:
+        trainer.close()
+    lines.clear()
+    trainer = RLTrainer(_config(init_dir, out, steps=2, resume=True, lr=1e-3), log=lines.append, fleet=fleet)
+    trainer.close()
+    assert not any("optimizer settings" in line for line in lines)  # the same settings: nothing to say
 
 
 def test_kl_reference_is_the_policy_at_the_start_of_rl_and_resumes(init_dir, tmp_path, fleet):

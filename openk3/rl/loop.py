@@ -50,7 +50,15 @@ from openk3.rl.weight_sync import Sync
 from openk3.serve.config import CheckpointPolicy, ServeConfig
 from openk3.serve.engine import LLMEngine
 from openk3.train.balance import Balancer
-from openk3.train.checkpoint import build_model, latest_checkpoint, load_checkpoint, load_model, save_checkpoint
+from openk3.train.checkpoint import (
+    OPTIMIZER_CHANGES,
+    build_model,
+    describe_changes,
+    latest_checkpoint,
+    load_checkpoint,
+    load_model,
+    save_checkpoint,
+)
 from openk3.train.distributed import Layout
 from openk3.train.optim import param_groups
 from openk3.utils import release_freed_memory
@@ -456,16 +464,10 @@ class RLTrainer:
         return ckpt
 
     def _load_state(self, ckpt: str) -> None:
-        # The command's optimizer settings (--lr, --weight-decay) win over the checkpoint's: loading an optimizer
-        # state restores its param groups too, which would silently keep the old rate of a run resumed with a new one.
-        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         state = load_checkpoint(ckpt, self.model, self.optimizer, self.balancer, Layout.single())
-        changed = sorted({f"{k} {_plain(g.get(k))} -> {_plain(v)}" for g, want in zip(self.optimizer.param_groups,
-                          configured) for k, v in want.items() if _plain(g.get(k)) != _plain(v)})  # fmt: skip
-        for group, want in zip(self.optimizer.param_groups, configured):
-            group.update(want)
+        changed = describe_changes(state[OPTIMIZER_CHANGES])  # the command's --lr / --weight-decay win
         if changed:
-            self.log(f"{self.command}: this run's optimizer settings replace the checkpoint's: {', '.join(changed)}")
+            self.log(f"{self.command}: this run's optimizer settings replace the checkpoint's: {changed}")
         self.step, self.version, self.sft_done = state["step"], state["version"], state["sft_done"]
         self.task_counter = state["task_counter"]
         self.demos.load_state_dict(state["demos"])
@@ -498,11 +500,6 @@ def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 def _gap(a_T: torch.Tensor, b_T: torch.Tensor, mask_T: torch.Tensor) -> float:
     """Mean |a - b| over the masked tokens (0 when none)."""
     return float((a_T - b_T)[mask_T].abs().mean()) if mask_T.any() else 0.0
-
-
-def _plain(value):
-    """An optimizer setting comparable across a save and load (betas come back as a list)."""
-    return list(value) if isinstance(value, tuple) else value
 
 
 def _truncate_metrics(path: str, step: int) -> None:

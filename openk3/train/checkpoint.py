@@ -49,6 +49,7 @@ from openk3.utils import open_permissions, read_json
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
+OPTIMIZER_CHANGES = "optimizer_changes"  # load_checkpoint's report of the settings this run changed
 FIRST_SAVE_STEP = 10  # a run's early checkpoint (train/trainer.py), so one stopped in its first minutes can resume
 _STEP = re.compile(r"^step-(\d+)(?:-r(\d+))?$")  # step-00000100, or step-00000100-r1 for a re-saved step
 _log = logging.getLogger("openk3")
@@ -116,15 +117,39 @@ def save_checkpoint(run_dir: str, step: int, model, optimizer, balancer_state: d
 
 def load_checkpoint(path: str, model, optimizer, balancer, layout: Layout | None = None) -> dict:
     """Restore `model` (built and parallelized for `layout`), `optimizer`, `balancer` and the RNG from checkpoint
-    folder `path`, saved at any layout; returns trainer_state.json (step, data position, counters)."""
+    folder `path`, saved at any layout; returns trainer_state.json (step, data position, counters) with
+    OPTIMIZER_CHANGES: the optimizer settings of this run that differ from the checkpoint's, sorted (setting,
+    "old -> new") pairs (`describe_changes` words them).
+
+    The optimizer's moments come from the checkpoint, its settings (lr, weight decay, betas, lr_scale) stay the
+    caller's: loading an optimizer state restores its param groups too, so a run resumed with a new --lr or
+    --weight-decay would otherwise silently keep the old ones."""
     layout = layout or Layout.single()
     state = read_json(os.path.join(path, TRAINER_STATE))
     tensors = _tensor_state(balancer.state_dict())
+    configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     load_distributed(model, path, layout.mesh, layout.dims, optimizers=torch_optimizers(optimizer), extra=tensors)
+    changes = set()
+    for group, want in zip(optimizer.param_groups, configured):
+        changes.update((k, f"{_plain(group.get(k))} -> {_plain(v)}") for k, v in want.items()
+                       if _plain(group.get(k)) != _plain(v))  # fmt: skip
+        group.update(want)
+    state[OPTIMIZER_CHANGES] = sorted(changes)
     balancer.load_state_dict({**state["balancer"], **tensors["balancer"]})
     _set_python_rng(state["rng"])
     torch.set_rng_state(tensors["rng"]["torch_cpu"])
     return state
+
+
+def describe_changes(changes, skip: tuple[str, ...] = ()) -> str:
+    """load_checkpoint's OPTIMIZER_CHANGES as one line ("lr 0.0002 -> 0.0006, weight_decay 0.1 -> 0.25"), less the
+    settings in `skip`; "" when none is left."""
+    return ", ".join(f"{name} {change}" for name, change in changes if name not in skip)
+
+
+def _plain(value):
+    """An optimizer setting comparable across a save and a load (betas come back as a list)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def remove_temporaries(root: str) -> None:

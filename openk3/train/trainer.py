@@ -38,7 +38,15 @@ from openk3.config import K3Config
 from openk3.parallel.ac import apply_activation_checkpointing
 from openk3.parallel.dims import ParallelDims
 from openk3.train.balance import Balancer
-from openk3.train.checkpoint import FIRST_SAVE_STEP, build_model, latest_checkpoint, load_checkpoint, save_checkpoint
+from openk3.train.checkpoint import (
+    FIRST_SAVE_STEP,
+    OPTIMIZER_CHANGES,
+    build_model,
+    describe_changes,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from openk3.train.config import TrainConfig
 from openk3.train.data import RunData
 from openk3.train.distributed import Layout
@@ -100,6 +108,9 @@ class Trainer:
             self.nonfinite_total, self.tokens_seen = state["nonfinite_total"], state["tokens_seen"]
             self.data.load_state_dict(state["data"])
             log(f"resumed {self.run_dir} at step {self.step} from {ckpt}")
+            changed = describe_changes(state[OPTIMIZER_CHANGES], skip=("lr",))  # the schedule sets lr every step
+            if changed:  # e.g. a new --weight-decay
+                log(f"this run's optimizer settings replace the checkpoint's: {changed}")
         if cfg.resume:
             self._truncate_metrics(self.step)
         if self.layout.is_main:

@@ -22,6 +22,7 @@ from openk3.train.config import TrainConfig
 from openk3.train.optim import build_optimizer
 from openk3.train.trainer import Trainer
 
+
 def _cfg(corpus, out, **kw):
     return small_config(corpus, out, **{"steps": 4, "eval_every": 100, "save_every": 2, **kw})
 
@@ -100,6 +101,24 @@ def test_resume_past_a_damaged_checkpoint_continues_exactly(corpus, pristine, tm
     weights = load_model(latest)[0].state_dict()
     assert weights.keys() == pristine[2].keys() and all(torch.equal(weights[k], pristine[2][k]) for k in weights)
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["latest", "step-00000002", os.path.basename(latest)]
+
+
+def test_a_resumed_run_keeps_its_own_optimizer_settings_and_the_checkpoints_moments(corpus, pristine, tmp_path):
+    """Loading an optimizer state restores its param groups; the resumed run's --weight-decay (and --lr, which
+    the schedule also sets each step) must stay the command's, the change is logged, the moments are the
+    checkpoint's; resumed unchanged, nothing is logged."""
+    run = str(tmp_path / "run")
+    shutil.copytree(pristine[0], run)
+    logs = []
+    trainer = Trainer(_cfg(corpus, run, resume=True, weight_decay=0.25), log=logs.append)
+    decays = {g["weight_decay"] for g in trainer.optimizer.param_groups}
+    assert decays == {0.0, 0.25}, decays  # the matrices' groups take the new decay; norms and biases none
+    assert any("weight_decay 0.1 -> 0.25" in m for m in logs), logs
+    logs.clear()
+    saved = Trainer(_cfg(corpus, run, resume=True), log=logs.append).optimizer.state_dict()["state"]
+    assert not any("optimizer settings" in m for m in logs), logs  # the lr differs (scheduled), but is not news
+    moments = trainer.optimizer.state_dict()["state"]
+    assert saved and all(torch.equal(moments[k]["exp_avg"], v["exp_avg"]) for k, v in saved.items() if "exp_avg" in v)
 
 
 def test_kill_in_the_first_save_restarts_from_step_zero(corpus, tmp_path, monkeypatch, capsys):

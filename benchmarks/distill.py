@@ -331,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--steps", type=int, default=30, help="gradient steps of every method")
     p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--lr-decay-steps", type=int, default=0,
+                   help="the rate decays linearly over the last N steps to --lr-min-ratio of it (k3 distill's)")  # fmt: skip
+    p.add_argument("--lr-min-ratio", type=float, default=0.1)
     p.add_argument("--groups", type=int, default=4, help="tasks per step (round-robin over the keys)")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=RECIPE_BUDGETS["max_tokens"], help="generated tokens per episode")
@@ -351,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="offpolicy trains on all teacher samples or on those that solve their task only")  # fmt: skip
     p.add_argument("--offpolicy-weight", default="tokens", choices=OFFPOLICY_WEIGHTS,
                    help="offpolicy weighs every kept token the same, or each teacher key the same")  # fmt: skip
+    p.add_argument("--offpolicy-draws", default="",
+                   help="offpolicy, solved only: teacher samples per task, the first --group-size solved kept "
+                        "(k3 distill --offpolicy-draws: N or key=N,...)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results/distill-cpu")
     p.add_argument("--from-rl", default=None, metavar="RUN",
@@ -371,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                     "max_turns": RECIPE_BUDGETS["max_turns"],
                     "max_tokens": args.max_tokens, "max_tokens_per_turn": args.max_tokens_per_turn,
                     "eval_tasks": args.eval_tasks}  # fmt: skip
-    k3_distill_flags = ("task_weight", "budget_weight", "teacher_temperature", "offpolicy_keep", "offpolicy_weight")
+    k3_distill_flags = ("task_weight", "budget_weight", "teacher_temperature", "offpolicy_keep", "offpolicy_weight",
+                        "lr_decay_steps", "lr_min_ratio", "offpolicy_draws")  # fmt: skip
     for name in k3_distill_flags:  # k3 distill's, when set
         if getattr(args, name) != p.get_default(name):
             settings[name] = getattr(args, name)

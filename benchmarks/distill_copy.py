@@ -12,7 +12,9 @@ right take p^3, so 0.8 a number is about 50% a task and 0.6 about 22% (docs/dist
 
 Greedy by default, on the test split's tasks from `--first`, as `benchmarks/distill.py` judges: a teacher in its own
 view, a student with the effort tag (none for calculator). Prints a table and writes {"tasks", "first",
-"temperature", "models": {name: counts and rates}}.
+"temperature", "models": {name: counts and rates}}. A second table splits each model's solved tasks by difficulty
+(the digits of the task's numbers together) and compares them task by task with the first model's, the teacher's:
+where a student's gap to its teacher lies, and whether it solves tasks the teacher does not.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ from openk3.train.checkpoint import load_model
 
 NUMBER = re.compile(r"\d+")
 KINDS = ("solved", "no_call", "wrong_expression", "wrong_answer")
+# A task's difficulty: the digits of all its numbers together (7-12 on the test split; the buckets hold about a
+# quarter of its first 144 tasks each).
+DIGIT_BUCKETS = (("<=8", 0, 8), ("9", 9, 9), ("10", 10, 10), (">=11", 11, 99))
+
+
+def digit_bucket(expression: str) -> str:
+    digits = sum(len(n) for n in NUMBER.findall(expression))
+    return next(label for label, lo, hi in DIGIT_BUCKETS if lo <= digits <= hi)
 
 
 def first_expression(text: str) -> str | None:
@@ -45,13 +55,21 @@ def first_expression(text: str) -> str | None:
 
 def copy_errors(episodes: list[tuple[str, str, float]]) -> dict:
     """Counts and rates over (task expression, the episode's decoded text, reward) triples: each episode's kind
-    (KINDS) and `number_copy`, the share of the task's numbers whose call has the same number in the same place."""
+    (KINDS); `number_copy`, the share of the task's numbers whose call has the same number in the same place;
+    `by_digits`, episodes and solved ones by the task's digits (DIGIT_BUCKETS); `solved_tasks`, the solved episodes'
+    positions (the task order, so two models' lists compare task by task)."""
     counts = dict.fromkeys(KINDS, 0)
+    by_digits = {label: {"episodes": 0, "solved": 0} for label, _, _ in DIGIT_BUCKETS}
+    solved_tasks = []
     right = total = 0
-    for expression, text, reward in episodes:
+    for i, (expression, text, reward) in enumerate(episodes):
         called = first_expression(text)
+        bucket = by_digits[digit_bucket(expression)]
+        bucket["episodes"] += 1
         if reward >= SUCCESS:
             kind = "solved"
+            bucket["solved"] += 1
+            solved_tasks.append(i)
         elif called is None:
             kind = "no_call"
         elif called.replace(" ", "") != expression:
@@ -65,7 +83,24 @@ def copy_errors(episodes: list[tuple[str, str, float]]) -> dict:
         right += sum(a == b for a, b in zip(wanted, got))
     n = max(len(episodes), 1)
     return {**counts, "episodes": len(episodes), "success": counts["solved"] / n,
-            "number_copy": right / total if total else None}  # fmt: skip
+            "number_copy": right / total if total else None, "by_digits": by_digits,
+            "solved_tasks": solved_tasks}  # fmt: skip
+
+
+def difficulty_table(models: dict[str, dict]) -> list[str]:
+    """Markdown rows: each model's success by the task's digits, and against the first model (the teacher) the
+    tasks it solves that the first does not (gained) and the other way (lost)."""
+    first_name, first = next(iter(models.items()))
+    labels = [label for label, _, _ in DIGIT_BUCKETS]
+    sizes = [next(iter(models.values()))["by_digits"][label]["episodes"] for label in labels]
+    rows = ["| model | " + " | ".join(f"{label} digits ({n} tasks)" for label, n in zip(labels, sizes)) +
+            f" | gained over {first_name} | lost |", "|---|" + "---|" * (len(labels) + 2)]  # fmt: skip
+    for name, r in models.items():
+        cells = [f"{b['solved']} ({b['solved'] / b['episodes']:.0%})" if b["episodes"] else "-" for b in
+                 (r["by_digits"][label] for label in labels)]  # fmt: skip
+        mine, theirs = set(r["solved_tasks"]), set(first["solved_tasks"])
+        rows.append(f"| {name} | " + " | ".join(cells) + f" | {len(mine - theirs)} | {len(theirs - mine)} |")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in result["models"].items():
         table.append(f"| {name} | {r['success']:.1%} | {r['wrong_expression']} | {r['wrong_answer']} | "
                      f"{r['no_call']} | {r['number_copy']:.1%} |")  # fmt: skip
+    table += ["", "Solved tasks by the task's digits (all its numbers together), and task by task against the first model:",
+              "", *difficulty_table(result["models"])]  # fmt: skip
     print("\n".join(table))
     if args.out.endswith(".json"):  # the table beside the JSON, for the results folder
         with open(args.out[: -len(".json")] + ".md", "w", encoding="utf-8") as f:

@@ -47,6 +47,10 @@ class RLConfig:
     group_size: int = flag(8, "samples per task (the GRPO group)")
     lr: float = flag(1e-4, "RL learning rate (AdamW); 3e-4 made the tiny policy drift to repeated tool calls "
                      "(benchmarks/results/rl-cpu.md)")  # fmt: skip
+    lr_decay_steps: int = flag(0, "decay the rate linearly over the last N of --steps, so the last step runs at "
+                               "--lr-min-ratio x --lr (constant before; 0: constant throughout). A function of the "
+                               "step: a resumed run follows the same schedule")  # fmt: skip
+    lr_min_ratio: float = flag(0.1, "the rate of the last step as a share of --lr, with --lr-decay-steps")
     weight_decay: float = flag(0.0, "AdamW weight decay on matrices")
     grad_clip: float = flag(1.0, "global gradient-norm clip")
     loss: str = flag("ppo", "policy loss: ppo (asymmetric clip), cispo, k15 (Kimi k1.5 mirror descent), reinforce",
@@ -105,6 +109,10 @@ class RLConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0 or self.sft_lr <= 0:
             raise ValueError("--lr and --sft-lr must be positive")
+        if not 0 <= self.lr_decay_steps <= self.steps:
+            raise ValueError(f"--lr-decay-steps must be in [0, --steps={self.steps}], got {self.lr_decay_steps}")
+        if not 0 <= self.lr_min_ratio <= 1:
+            raise ValueError(f"--lr-min-ratio must be in [0, 1], got {self.lr_min_ratio}")
         if not 0 <= self.sft_guess_share <= 1:
             raise ValueError(f"--sft-guess-share must be in [0, 1], got {self.sft_guess_share}")
         if not 0 < self.partial_rollout_fraction <= 1:
@@ -115,7 +123,9 @@ class RLConfig:
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices is not None and getattr(self, f.name) not in choices:
-                raise ValueError(f"--{f.name.replace('_', '-')} must be one of {choices}, got {getattr(self, f.name)!r}")
+                raise ValueError(
+                    f"--{f.name.replace('_', '-')} must be one of {choices}, got {getattr(self, f.name)!r}"
+                )
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"

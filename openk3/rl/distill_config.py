@@ -48,6 +48,28 @@ def parse_tau_final(text: str) -> dict[str, float]:
     return out
 
 
+def parse_offpolicy_draws(text: str, keys: list[str]) -> dict[str, int]:
+    """`8` (every key) or `calculator=8,files:max=4` (the keys named; the rest none) -> {key: draws}; errors name
+    the item."""
+    text = text.strip()
+    if not text:
+        return {}
+    if "=" not in text:
+        items = [f"{key}={text}" for key in keys]
+    else:
+        items = [p.strip() for p in text.split(",") if p.strip()]
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in keys:
+            raise ValueError(f"--offpolicy-draws: {item!r} is not key=N with key one of the teachers' {keys}")
+        try:
+            out[key.strip()] = int(value)
+        except ValueError:
+            raise ValueError(f"--offpolicy-draws: {item!r}: {value!r} is not a whole number") from None
+    return out
+
+
 @dataclass
 class DistillConfig(RLConfig):
     CONFIG_FILE: ClassVar[str] = CONFIG_FILE
@@ -70,6 +92,9 @@ class DistillConfig(RLConfig):
     offpolicy_weight: str = flag("tokens", "offpolicy: every kept teacher token weighs the same in a step's loss "
                                  "(tokens), or each teacher key's tokens together weigh the same (keys), so a domain "
                                  "of short answers is not outweighed by long ones", choices=OFFPOLICY_WEIGHTS)  # fmt: skip
+    offpolicy_draws: str = flag("", "offpolicy with --offpolicy-keep solved: the teacher samples N episodes of "
+                                "each task (N, for every key, or key=N,...) and the first --group-size that solve "
+                                "it are kept (best of N rather than of --group-size); default: --group-size")  # fmt: skip
     residency: str = flag("memory", "teachers kept in memory, or loaded in turn for each scoring", choices=RESIDENCIES)
     tau_start: float = flag(3.0, "τ of every effort at step 0")
     tau_final: str = flag("low=0.5,high=0.8,max=1.5", "τ per effort after annealing")
@@ -82,6 +107,12 @@ class DistillConfig(RLConfig):
     @property
     def teacher_specs(self) -> dict[TeacherKey, str]:
         return parse_teachers(self.teachers)
+
+    @property
+    def draws(self) -> dict[str, int]:
+        """Teacher samples per task of each key (str(TeacherKey)) in an offpolicy step."""
+        given = parse_offpolicy_draws(self.offpolicy_draws, [str(k) for k in self.teacher_specs])
+        return {str(k): given.get(str(k), self.group_size) for k in self.teacher_specs}
 
     @property
     def tau(self) -> TauSchedule:
@@ -108,6 +139,13 @@ class DistillConfig(RLConfig):
         if self.offpolicy_weight != "tokens" and self.method != "offpolicy":
             raise ValueError(f"--offpolicy-weight {self.offpolicy_weight} weighs teacher samples: it needs --method "
                              f"offpolicy, not {self.method}")  # fmt: skip
+        if self.offpolicy_draws.strip():
+            if self.method != "offpolicy" or self.offpolicy_keep != "solved":
+                raise ValueError("--offpolicy-draws keeps the solved ones of more teacher samples: it needs --method "
+                                 "offpolicy --offpolicy-keep solved")  # fmt: skip
+            few = {k: n for k, n in self.draws.items() if n < self.group_size}
+            if few:
+                raise ValueError(f"--offpolicy-draws must be >= --group-size {self.group_size}, got {few}")
         if self.method == "offpolicy" and self.partial_rollout_fraction < 1:
             raise ValueError(
                 "--method offpolicy trains on whole teacher episodes: --partial-rollout-fraction must be 1"

@@ -60,7 +60,7 @@ from openk3.train.checkpoint import (
     save_checkpoint,
 )
 from openk3.train.distributed import Layout
-from openk3.train.optim import param_groups
+from openk3.train.optim import param_groups, stable_then_decay
 from openk3.utils import release_freed_memory
 
 SUCCESS = 1.0  # a reward of 1 is a solved task
@@ -218,6 +218,7 @@ class RLTrainer:
     def train_step(self) -> dict:
         cfg = self.cfg
         t_step = time.perf_counter()
+        lr = self._set_rate()
         trajs = self.pending + self._new_trajectories()
         stats = self.worker.run([t for t in trajs if not t.done], self.version, cfg.partial_rollout_fraction)
         t_rollout = time.perf_counter() - t_step
@@ -237,7 +238,19 @@ class RLTrainer:
         if not self.sync.is_main:
             return {}
         row.update(self._rollout_metrics(ready, all_stats, dropped, t_rollout, t_train, t_total))
-        return {"step": self.step, **row}
+        return {"step": self.step, "lr": lr, **row}
+
+    def rate(self, step: int) -> float:
+        """The rate of the update that makes step `step + 1`: --lr, then linear over the last --lr-decay-steps to
+        --lr-min-ratio of it."""
+        cfg = self.cfg
+        return stable_then_decay(step, cfg.lr, cfg.lr * cfg.lr_min_ratio, cfg.steps, cfg.lr_decay_steps)
+
+    def _set_rate(self) -> float:
+        lr = self.rate(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+        return lr
 
     def _ready_groups(self, finished: list[Trajectory]):
         """(trainable, waiting, dropped): a group trains once all its samples are done; too stale ones are dropped."""
@@ -465,7 +478,8 @@ class RLTrainer:
 
     def _load_state(self, ckpt: str) -> None:
         state = load_checkpoint(ckpt, self.model, self.optimizer, self.balancer, Layout.single())
-        changed = describe_changes(state[OPTIMIZER_CHANGES])  # the command's --lr / --weight-decay win
+        # The command's --lr / --weight-decay win; a decaying rate is set every step, so its change is no news.
+        changed = describe_changes(state[OPTIMIZER_CHANGES], skip=("lr",) if self.cfg.lr_decay_steps else ())
         if changed:
             self.log(f"{self.command}: this run's optimizer settings replace the checkpoint's: {changed}")
         self.step, self.version, self.sft_done = state["step"], state["version"], state["sft_done"]
@@ -477,6 +491,9 @@ class RLTrainer:
         self._load_extra_state(state)
         _truncate_metrics(os.path.join(self.cfg.out, "metrics.jsonl"), self.step)
         self.log(f"{self.command}: resumed {self.cfg.out} at step {self.step} from {ckpt}")
+        if self.cfg.lr_decay_steps:
+            self.log(f"{self.command}: the rate of the next update is {self.rate(self.step):.3g} (--lr {self.cfg.lr:g}, "
+                     f"decaying over steps {self.cfg.steps - self.cfg.lr_decay_steps + 1}-{self.cfg.steps})")  # fmt: skip
 
 
 def _task_index(seed: int, group: int) -> int:

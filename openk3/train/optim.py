@@ -98,7 +98,9 @@ class MuonWithAdamW:
         shift = sum(len(g["params"]) for g in muon["param_groups"])
         state = dict(muon["state"]) | {i + shift: s for i, s in adamw["state"].items()}
         groups = [g | {"optimizer": "muon"} for g in muon["param_groups"]]
-        groups += [g | {"optimizer": "adamw", "params": [i + shift for i in g["params"]]} for g in adamw["param_groups"]]
+        groups += [
+            g | {"optimizer": "adamw", "params": [i + shift for i in g["params"]]} for g in adamw["param_groups"]
+        ]
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -130,7 +132,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         progress = (step - warm) / max(1, cfg.steps - warm)
         return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     decay_steps = max(1, round(cfg.decay_fraction * cfg.steps))
-    decay_start = cfg.steps - decay_steps
-    if step < decay_start:
+    return stable_then_decay(step, peak, floor, cfg.steps, decay_steps)
+
+
+def stable_then_decay(step: int, peak: float, floor: float, steps: int, decay_steps: int) -> float:
+    """The rate of step `step` (0-based) of `steps`: `peak`, then linear over the final `decay_steps` so that the
+    last step runs at `floor` (the stable and decay phases of warmup-stable-decay; `k3 rl --lr-decay-steps` uses it
+    alone)."""
+    decay_start = steps - decay_steps
+    if decay_steps <= 0 or step < decay_start:
         return peak
     return peak + (floor - peak) * min(1.0, (step - decay_start + 1) / decay_steps)

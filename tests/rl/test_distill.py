@@ -367,6 +367,45 @@ def test_offpolicy_keep_solved_trains_only_on_the_teacher_samples_that_solve_the
         _config(policies, tmp_path / "bad", f"calculator={policies['a']}", offpolicy_keep="solved")
 
 
+def test_offpolicy_draws_keeps_the_first_group_size_solved_of_n_teacher_samples(policies, fleet, tmp_path):
+    """--offpolicy-draws calculator=4: the calculator teacher samples 4 episodes of each task and the first 2
+    (--group-size) that solve it are kept; the other keys draw --group-size. Bad specs are named."""
+    cfg = _config(policies, tmp_path / "run", f"calculator={policies['a']},files:max={policies['b']}",
+                  method="offpolicy", offpolicy_keep="solved", offpolicy_draws="calculator=4", steps=1)  # fmt: skip
+    assert cfg.draws == {"calculator": 4, "files:max": 2}
+    trainer = _trainer(cfg, fleet)
+    drawn = {}
+
+    def judged(key, run):
+        def run_and_judge(samples, version, **kw):
+            run(samples, version, **kw)
+            drawn[str(key)] = sorted(sample.sample for sample in samples)
+            for sample in samples:  # samples 1, 2, 3 solve: calculator keeps 1 and 2, files:max 1
+                sample.reward = 1.0 if sample.sample >= 1 else 0.0
+
+        return run_and_judge
+
+    try:
+        for key in trainer.keys:
+            worker = trainer._teacher_worker(key)
+            worker.run = judged(key, worker.run)
+        row = trainer.train_step()
+    finally:
+        trainer.close()
+    assert drawn == {"calculator": [0, 1, 2, 3], "files:max": [0, 1]}
+    assert row["trained_by_key"] == {"calculator": 2, "files:max": 1}
+    assert row["covered_by_key"] == {"calculator": 1.0, "files:max": 1.0}
+    assert row["reward"] == pytest.approx(4 / 6)  # over every sample drawn
+    teachers = f"calculator={policies['a']},files:max={policies['b']}"
+    assert _config(policies, tmp_path / "x", teachers, method="offpolicy", offpolicy_keep="solved",
+                   offpolicy_draws="3").draws == {"calculator": 3, "files:max": 3}  # fmt: skip
+    for bad, match in (({"offpolicy_draws": "code-fix=4"}, "not key=N"), ({"offpolicy_draws": "calculator=x"},
+                       "not a whole number"), ({"offpolicy_draws": "1"}, ">= --group-size"),
+                       ({"offpolicy_draws": "4", "offpolicy_keep": "all"}, "--offpolicy-keep solved")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            _config(policies, tmp_path / "bad", teachers, **{"method": "offpolicy", "offpolicy_keep": "solved", **bad})
+
+
 def test_offpolicy_loss_groups_weigh_every_token_or_every_key():
     keys = ["files:max", "calculator", "files:max", "code-fix", "calculator"]
     assert loss_groups(keys, "tokens") == [[0, 1, 2, 3, 4]]
@@ -417,13 +456,15 @@ def test_offpolicy_backward_equals_one_forward_of_its_loss(policies, weight):
 
 def test_offpolicy_weight_keys_trains_each_key_and_needs_offpolicy(policies, fleet, tmp_path):
     cfg = _config(policies, tmp_path / "run", f"calculator={policies['a']},files:max={policies['b']}",
-                  method="offpolicy", offpolicy_weight="keys", steps=1)  # fmt: skip
+                  method="offpolicy", offpolicy_weight="keys", steps=1, lr_decay_steps=1)  # fmt: skip
     trainer = _trainer(cfg, fleet)
     try:
         row = trainer.train_step()
+        rates = {g["lr"] for g in trainer.optimizer.param_groups}
     finally:
         trainer.close()
     assert row["trained_by_key"] == {"calculator": 2, "files:max": 2}
+    assert row["lr"] == pytest.approx(cfg.lr * cfg.lr_min_ratio) and rates == {row["lr"]}  # the decayed last step
     assert torch.isfinite(torch.tensor(row["loss"])) and row["loss"] > 0
     with pytest.raises(ValueError, match="--offpolicy-weight"):
         _config(policies, tmp_path / "bad", f"calculator={policies['a']}", offpolicy_weight="keys")

@@ -14,7 +14,7 @@ from openk3.config import K3Config
 from openk3.data.tokenizer import train_bpe
 from openk3.model.model import K3ForCausalLM
 from openk3.rl.config import RLConfig
-from openk3.train.optim import param_groups
+from openk3.train.optim import param_groups, stable_then_decay
 from tests.parallel.dist_helpers import run_ranks
 
 REQUIRED = ("step", "reward", "success", "logprob_gap", "routing_replay", "rollout_tokens_per_s")
@@ -45,20 +45,26 @@ def test_run_metrics_resume_and_plot(init_dir, tmp_path, fleet):
     from openk3.rl.loop import RLTrainer
     from openk3.rl.plot import plot_rl_run
 
-    out = str(tmp_path / "run")
-    warm = {"sft_steps": 2, "copy_steps": 2, "sft_guess_share": 0.5}
+    out, lines = str(tmp_path / "run"), []
+    # The rate decays over the last step (--lr-decay-steps 1): 1e-3, then 2e-4, resumed in between.
+    warm = {"sft_steps": 2, "copy_steps": 2, "sft_guess_share": 0.5, "lr": 1e-3, "lr_decay_steps": 1,
+            "lr_min_ratio": 0.2}  # fmt: skip
     trainer = RLTrainer(_config(init_dir, out, steps=2, stop_after=1, **warm), log=lambda *a: None, fleet=fleet)
     trainer.run()
     trainer.close()
     with pytest.raises(FileExistsError, match="--resume"):
         RLTrainer(_config(init_dir, out, steps=2), fleet=fleet)
-    trainer = RLTrainer(_config(init_dir, out, steps=2, resume=True, **warm), log=lambda *a: None, fleet=fleet)
+    trainer = RLTrainer(_config(init_dir, out, steps=2, resume=True, **warm), log=lines.append, fleet=fleet)
     assert trainer.step == 1 and trainer.version == 1 and trainer.sft_done == 2 and trainer.copy_done == 2
     trainer.run()
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == pytest.approx([2e-4] * 2)
     trainer.close()
+    assert not any("optimizer settings" in line for line in lines)  # a decaying rate's change is no news
+    assert any("rate of the next update is 0.0002" in line for line in lines), lines
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert [r["step"] for r in rows] == [0, 1, 2]  # the eval line at step 0, then one line per step
+    assert [r["lr"] for r in rows[1:]] == pytest.approx([1e-3, 2e-4])
     assert "eval_success" in rows[0] and "eval_success" in rows[2]
     for row in rows[1:]:
         assert all(k in row for k in REQUIRED), sorted(row)
@@ -100,6 +106,18 @@ def test_a_resumed_run_takes_this_runs_learning_rate_not_the_checkpoints(init_di
     trainer = RLTrainer(_config(init_dir, out, steps=2, resume=True, lr=1e-3), log=lines.append, fleet=fleet)
     trainer.close()
     assert not any("optimizer settings" in line for line in lines)  # the same settings: nothing to say
+
+
+def test_the_rate_is_stable_then_decays_over_the_last_steps_and_bad_settings_are_named(init_dir):
+    """--lr-decay-steps N: --lr, then linear over the last N steps to --lr-min-ratio of it at the last step (a run
+    that decays and resumes: test_run_metrics_resume_and_plot)."""
+    cfg = _config(init_dir, "unused", steps=10, lr=1e-3, lr_decay_steps=4, lr_min_ratio=0.1)
+    rates = [stable_then_decay(s, cfg.lr, cfg.lr * cfg.lr_min_ratio, cfg.steps, cfg.lr_decay_steps) for s in range(10)]
+    assert rates == pytest.approx([1e-3] * 6 + [7.75e-4, 5.5e-4, 3.25e-4, 1e-4])
+    assert [stable_then_decay(s, 1e-3, 1e-4, 10, 0) for s in range(10)] == [1e-3] * 10  # 0: constant
+    for bad in ({"lr_decay_steps": 11}, {"lr_decay_steps": -1}, {"lr_min_ratio": 1.5}):
+        with pytest.raises(ValueError, match="--lr-(decay-steps|min-ratio)"):
+            _config(init_dir, "unused", steps=10, **bad)
 
 
 def test_kl_reference_is_the_policy_at_the_start_of_rl_and_resumes(init_dir, tmp_path, fleet):

@@ -92,7 +92,7 @@ def difficulty_table(models: dict[str, dict]) -> list[str]:
     tasks it solves that the first does not (gained) and the other way (lost)."""
     first_name, first = next(iter(models.items()))
     labels = [label for label, _, _ in DIGIT_BUCKETS]
-    sizes = [next(iter(models.values()))["by_digits"][label]["episodes"] for label in labels]
+    sizes = [first["by_digits"][label]["episodes"] for label in labels]
     rows = ["| model | " + " | ".join(f"{label} digits ({n} tasks)" for label, n in zip(labels, sizes)) +
             f" | gained over {first_name} | lost |", "|---|" + "---|" * (len(labels) + 2)]  # fmt: skip
     for name, r in models.items():

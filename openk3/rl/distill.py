@@ -334,7 +334,6 @@ class DistillTrainer(RLTrainer):
                        for group, task in tasks for s in range(draws[str(key)])]  # fmt: skip
             worker.run(samples, version=0, temperature=cfg.teacher_temperature)
             kept = Counter()  # per task (group): at most --group-size samples, the first that solve it
-            covered[str(key)] = 0.0
             for sample in samples:
                 rewards.append(sample.reward)
                 lengths.append(sample.num_generated)
@@ -342,7 +341,6 @@ class DistillTrainer(RLTrainer):
                 if cfg.offpolicy_keep == "solved" and (sample.reward < SUCCESS or kept[sample.group] >= cfg.group_size):
                     continue
                 kept[sample.group] += 1
-                covered[str(key)] += (kept[sample.group] == 1) / len(tasks)
                 # the student's own effort-tagged prompt (no sandbox needed for it), then the teacher's episode
                 prompt = prompt_ids(initial_messages(sample.task), sample.task.tools, self.tokenizer,
                                     thinking=key.thinking, effort=key.effort)  # fmt: skip
@@ -350,6 +348,7 @@ class DistillTrainer(RLTrainer):
                 mask = [False] * len(prompt) + sample.generated[sample.prompt_len :]
                 batch.append((tokens, mask))
                 batch_keys.append(str(key))
+            covered[str(key)] = len(kept) / len(tasks)  # reading a Counter's missing group adds no entry
         t_rollout = time.perf_counter() - t_step
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)

@@ -32,19 +32,28 @@ class TauSchedule:
         return self.start + (self.final[effort] - self.start) * f
 
 
-def parse_tau_final(text: str) -> dict[str, float]:
-    """`low=0.5,high=0.8,max=1.5` -> {"low": 0.5, ...}; errors name the item."""
+def parse_named_values(text: str, flag: str, names, form: str, convert, kind: str) -> dict:
+    """`name=value,...` -> {name: convert(value)}, each name one of `names`; an error names the flag and the item
+    (`form` says what an item should be, `kind` what a value should be)."""
     out = {}
     for item in (p.strip() for p in text.split(",") if p.strip()):
         name, sep, value = item.partition("=")
-        if not sep or name.strip() not in THINKING_EFFORTS:
-            raise ValueError(f"--tau-final: {item!r} is not effort=value with effort in {list(THINKING_EFFORTS)}")
+        if not sep or name.strip() not in names:
+            raise ValueError(f"{flag}: {item!r} is not {form}")
         try:
-            out[name.strip()] = float(value)
+            out[name.strip()] = convert(value)
         except ValueError:
-            raise ValueError(f"--tau-final: {item!r}: {value!r} is not a number") from None
-        if out[name.strip()] <= 0:
-            raise ValueError(f"--tau-final: {item!r}: τ must be positive")
+            raise ValueError(f"{flag}: {item!r}: {value!r} is not {kind}") from None
+    return out
+
+
+def parse_tau_final(text: str) -> dict[str, float]:
+    """`low=0.5,high=0.8,max=1.5` -> {"low": 0.5, ...}; errors name the item."""
+    out = parse_named_values(text, "--tau-final", THINKING_EFFORTS,
+                             f"effort=value with effort in {list(THINKING_EFFORTS)}", float, "a number")  # fmt: skip
+    for name, tau in out.items():
+        if tau <= 0:
+            raise ValueError(f"--tau-final: {name}={tau:g}: τ must be positive")
     return out
 
 
@@ -52,22 +61,10 @@ def parse_offpolicy_draws(text: str, keys: list[str]) -> dict[str, int]:
     """`8` (every key) or `calculator=8,files:max=4` (the keys named; the rest none) -> {key: draws}; errors name
     the item."""
     text = text.strip()
-    if not text:
-        return {}
-    if "=" not in text:
-        items = [f"{key}={text}" for key in keys]
-    else:
-        items = [p.strip() for p in text.split(",") if p.strip()]
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() not in keys:
-            raise ValueError(f"--offpolicy-draws: {item!r} is not key=N with key one of the teachers' {keys}")
-        try:
-            out[key.strip()] = int(value)
-        except ValueError:
-            raise ValueError(f"--offpolicy-draws: {item!r}: {value!r} is not a whole number") from None
-    return out
+    if text and "=" not in text:
+        text = ",".join(f"{key}={text}" for key in keys)
+    return parse_named_values(text, "--offpolicy-draws", keys, f"key=N with key one of the teachers' {keys}", int,
+                              "a whole number")  # fmt: skip
 
 
 @dataclass

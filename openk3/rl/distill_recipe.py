@@ -179,13 +179,15 @@ def save_policy(model, tokenizer, path: str) -> str:
 
 def policy_episodes(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet, *, tagged: bool,
                     max_turns: int = 4, max_tokens: int = 256, max_tokens_per_turn: int = 128,
-                    temperature: float = 0.0, wall_clock_s: float = math.inf,
-                    first: int = 0) -> dict:  # fmt: skip
-    """{key: the finished trajectories of the test split's tasks `first` .. `first + tasks - 1`}, greedy by default,
-    as `DistillTrainer.evaluate` picks them. `first` > 0 gives a second held-out set, one no checkpoint was chosen
-    on (the runs' evaluations use the first tasks). `tagged` renders the effort tag (the student's view), else only
-    the think channel of effort keys (a teacher's). `temperature` > 0 samples one episode per task, seeded per task
-    (the rollout's per-trajectory seeds), so two models are compared on the same seeds.
+                    temperature: float = 0.0, wall_clock_s: float = math.inf, first: int = 0,
+                    split: str = "test", samples: int = 1) -> dict:  # fmt: skip
+    """{key: the finished trajectories of the `split`'s tasks `first` .. `first + tasks - 1`, `samples` per task in
+    task order}, greedy by default, as `DistillTrainer.evaluate` picks them. `first` > 0 gives a second held-out set,
+    one no checkpoint was chosen on (the runs' evaluations use the first tasks). `tagged` renders the effort tag (the
+    student's view), else only the think channel of effort keys (a teacher's). `temperature` > 0 samples each
+    episode, seeded per task and sample (the rollout's per-trajectory seeds; sample s of task i is sample number
+    i * samples + s, so one sample per task keeps the seeds of a plain evaluation), so two models are compared on
+    the same seeds. `split` "train" gives training tasks (what a teacher generates for offpolicy distillation).
 
     No wall clock by default: the turn and token budgets bound every episode (and each tool call keeps its own
     timeout), and all episodes share one batched engine, so an episode's time since reset is the whole batch's and
@@ -198,16 +200,21 @@ def policy_episodes(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet,
     from openk3.serve.engine import LLMEngine
 
     if first < 0:
-        raise ValueError(f"first must be >= 0 (a test-split task index), got {first}")
-    engine = LLMEngine(model, tokenizer, engine_config(RLConfig(out="-"), tasks * len(keys)))
+        raise ValueError(f"first must be >= 0 (a task index), got {first}")
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1 (episodes per task), got {samples}")
+    episodes = tasks * samples * len(keys)
+    engine = LLMEngine(model, tokenizer, engine_config(RLConfig(out="-"), episodes))
     snapshots = TaskSnapshots(fleet, max_tasks=tasks * len(keys))
     worker = RolloutWorker(engine, tokenizer, fleet, Budgets(max_turns=max_turns, max_tokens=max_tokens,
                                                              wall_clock_s=wall_clock_s),
                            snapshots=snapshots, max_tokens_per_turn=max_tokens_per_turn)  # fmt: skip
     try:
-        trajs = {key: [worker.start(get_family(key.domain).generate("test", i), group=-1, sample=i,
-                                    thinking=key.thinking, effort=key.effort if tagged else None)
-                       for i in range(first, first + tasks)] for key in keys}  # fmt: skip
+        indices = range(first, first + tasks)
+        trajs = {key: [worker.start(task, group=-1, sample=i * samples + s, thinking=key.thinking,
+                                    effort=key.effort if tagged else None)
+                       for i, task in zip(indices, (get_family(key.domain).generate(split, i) for i in indices))
+                       for s in range(samples)] for key in keys}  # fmt: skip
         worker.run([t for v in trajs.values() for t in v], version=0, temperature=temperature)
     finally:
         snapshots.close()

@@ -498,6 +498,15 @@ def test_held_out_evaluation_from_a_later_task_runs_exactly_those_tasks(policies
     assert [t.tokens for t in later] == [t.tokens for t in whole[3:]]
     with pytest.raises(ValueError, match="first must be >= 0"):
         policy_episodes(model.eval(), tokenizer, [key], 2, fleet, first=-1, **kw)
+    # several samples of training tasks (what a teacher generates for offpolicy data), in task order, each seeded
+    # by its own number: the same task and sample number give the same episode
+    train = policy_episodes(model.eval(), tokenizer, [key], 2, fleet, first=1, split="train", samples=2, **kw)[key]
+    assert [t.task.task_id for t in train] == ["files/train/1"] * 2 + ["files/train/2"] * 2
+    assert [t.sample for t in train] == [2, 3, 4, 5] and train[0].task == train[1].task
+    again = policy_episodes(model.eval(), tokenizer, [key], 1, fleet, first=2, split="train", samples=2, **kw)[key]
+    assert [t.sample for t in again] == [4, 5] and [t.tokens for t in again] == [t.tokens for t in train[2:]]
+    with pytest.raises(ValueError, match="samples must be >= 1"):
+        policy_episodes(model.eval(), tokenizer, [key], 2, fleet, samples=0, **kw)
 
 
 # ---- configuration and registry errors -------------------------------------------------------------------------

@@ -32,11 +32,12 @@ from distill_reeval import model_runs, runs_parser, write_result
 
 from openk3.rl.distill_recipe import policy_episodes
 from openk3.rl.loop import SUCCESS
-from openk3.rl.teachers import parse_teachers
+from openk3.rl.teachers import TeacherKey, parse_teachers
 from openk3.train.checkpoint import load_model
 
 NUMBER = re.compile(r"\d+")
 KINDS = ("solved", "no_call", "wrong_expression", "wrong_answer")
+CALCULATOR = TeacherKey("calculator", None)
 # A task's difficulty: the digits of all its numbers together (7-12 on the test split; the buckets hold about a
 # quarter of its first 144 tasks each).
 DIGIT_BUCKETS = (("<=8", 0, 8), ("9", 9, 9), ("10", 10, 10), (">=11", 11, 99))
@@ -103,6 +104,28 @@ def difficulty_table(models: dict[str, dict]) -> list[str]:
     return rows
 
 
+def calculator_copy(path: str, tokenizer, fleet, tasks: int, *, tagged: bool, temperature: float = 0.0,
+                    first: int = 0) -> dict:  # fmt: skip
+    """`copy_errors` of the checkpoint at `path` on the test split's calculator tasks `first` .. `first + tasks - 1`
+    (`policy_episodes` with the recipe's budgets: greedy by default)."""
+    model, _ = load_model(path, dtype=torch.float32)
+    trajs = policy_episodes(model.eval(), tokenizer, [CALCULATOR], tasks, fleet, tagged=tagged,
+                            temperature=temperature, first=first, **RECIPE_BUDGETS)[CALCULATOR]  # fmt: skip
+    return copy_errors([(t.task.meta["expression"], tokenizer.decode(t.tokens[t.prompt_len :]), t.reward)
+                        for t in trajs])  # fmt: skip
+
+
+def copy_table(models: dict[str, dict]) -> list[str]:
+    """Markdown: each model's failure kinds and numbers copied, then `difficulty_table` under its own heading."""
+    table = ["| model | solved | wrong expression | right expression, wrong answer | no call | numbers copied |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for name, r in models.items():
+        table.append(f"| {name} | {r['success']:.1%} | {r['wrong_expression']} | {r['wrong_answer']} | "
+                     f"{r['no_call']} | {r['number_copy']:.1%} |")  # fmt: skip
+    heading = "Solved tasks by the task's digits (all its numbers together), and task by task against the first model:"
+    return [*table, "", heading, "", *difficulty_table(models)]
+
+
 def main(argv: list[str] | None = None) -> int:
     from openk3.sandbox.fleet import Fleet
 
@@ -114,22 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer, _, _, runs = model_runs(args)
     result: dict = {"tasks": args.tasks, "first": args.first, "temperature": args.temperature, "models": {}}
     with Fleet(max_sandboxes=args.tasks + 8, warm=2, memory_mb=256) as fleet:
-        for name, path, model_keys, tagged in runs:
+        for name, path, _, tagged in runs:
             t0 = time.perf_counter()
-            model, _ = load_model(path, dtype=torch.float32)
-            trajs = policy_episodes(model.eval(), tokenizer, model_keys, args.tasks, fleet, tagged=tagged,
-                                    temperature=args.temperature, first=args.first, **RECIPE_BUDGETS)  # fmt: skip
-            episodes = [(t.task.meta["expression"], tokenizer.decode(t.tokens[t.prompt_len:]), t.reward)
-                        for t in trajs[model_keys[0]]]  # fmt: skip
-            result["models"][name] = copy_errors(episodes)
+            result["models"][name] = calculator_copy(path, tokenizer, fleet, args.tasks, tagged=tagged,
+                                                     temperature=args.temperature, first=args.first)  # fmt: skip
             print(f"{name}: {result['models'][name]} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    table = ["| model | solved | wrong expression | right expression, wrong answer | no call | numbers copied |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
-    for name, r in result["models"].items():
-        table.append(f"| {name} | {r['success']:.1%} | {r['wrong_expression']} | {r['wrong_answer']} | "
-                     f"{r['no_call']} | {r['number_copy']:.1%} |")  # fmt: skip
-    table += ["", "Solved tasks by the task's digits (all its numbers together), and task by task against the first model:",
-              "", *difficulty_table(result["models"])]  # fmt: skip
+    table = copy_table(result["models"])
     print("\n".join(table))
     if args.out.endswith(".json"):  # the table beside the JSON, for the results folder
         with open(args.out[: -len(".json")] + ".md", "w", encoding="utf-8") as f:

@@ -38,16 +38,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from distill import RECIPE_BUDGETS, _bar
-from distill_copy import DIGIT_BUCKETS, copy_errors, difficulty_table, digit_bucket
+from distill_copy import CALCULATOR, DIGIT_BUCKETS, calculator_copy, copy_table, digit_bucket
 
 from openk3.data.tokenizer import load_tokenizer
 from openk3.rl.distill_recipe import demo_ids, policy_episodes, save_policy, supervised
 from openk3.rl.loop import SUCCESS
-from openk3.rl.teachers import TeacherKey
 from openk3.train.checkpoint import load_model
 
 ARMS = ("teacher", "scripted", "all-tasks")
-KEY = TeacherKey("calculator", None)
 CHUNK = 128  # training tasks a teacher samples at once (the fleet's sandboxes and the engine's batch stay small)
 
 
@@ -56,8 +54,8 @@ def teacher_data(teacher, tokenizer, fleet, tasks: int, samples: int, temperatur
     out = []
     for first in range(0, tasks, CHUNK):
         n = min(CHUNK, tasks - first)
-        out += policy_episodes(teacher, tokenizer, [KEY], n, fleet, tagged=False, temperature=temperature,
-                               first=first, split="train", samples=samples, **RECIPE_BUDGETS)[KEY]  # fmt: skip
+        out += policy_episodes(teacher, tokenizer, [CALCULATOR], n, fleet, tagged=False, temperature=temperature,
+                               first=first, split="train", samples=samples, **RECIPE_BUDGETS)[CALCULATOR]  # fmt: skip
         solved = sum(t.reward >= SUCCESS for t in out)
         print(f"teacher samples: {first + n}/{tasks} tasks, {solved} of {len(out)} samples solved", flush=True)
     return out
@@ -69,14 +67,14 @@ def arms_data(trajs: list, tokenizer, samples: int) -> tuple[dict, dict]:
     kept, kept_tasks = [], []
     for t in trajs:
         if t.reward >= SUCCESS:  # at most `samples` a task: every sample of a task is drawn once
-            kept.append((list(t.tokens), [bool(g) for g in t.generated]))
+            kept.append((list(t.tokens), list(t.generated)))
             kept_tasks.append(t.task)
     distinct = [t.task for t in trajs[::samples]]  # the samples of a task are consecutive
     scripted = [demo_ids(task, tokenizer, style=None, tag=None) for task in kept_tasks]
     all_tasks = [demo_ids(task, tokenizer, style=None, tag=None) for task in distinct[: len(kept)]]
-    same = sum(a[0] == b[0] for a, b in zip(kept, scripted))
-    diffs = []
+    same, diffs = 0, []
     for (ids, _), (demo, _) in zip(kept, scripted):
+        same += ids == demo
         if ids != demo and len(diffs) < 5:
             at = next((i for i, (a, b) in enumerate(zip(ids, demo)) if a != b), min(len(ids), len(demo)))
             diffs.append(
@@ -159,11 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             result["times_s"][f"train {arm}"] = time.perf_counter() - t0
         for name, path in models.items():
             t0 = time.perf_counter()
-            model, _ = load_model(path, dtype=torch.float32)
-            got = policy_episodes(model.eval(), tokenizer, [KEY], args.eval_tasks, fleet, tagged=False,
-                                  **RECIPE_BUDGETS)[KEY]  # fmt: skip
-            episodes = [(t.task.meta["expression"], tokenizer.decode(t.tokens[t.prompt_len :]), t.reward) for t in got]
-            result["models"][name] = copy_errors(episodes)
+            result["models"][name] = calculator_copy(path, tokenizer, fleet, args.eval_tasks, tagged=False)
             result["times_s"][f"eval {name}"] = time.perf_counter() - t0
             print(f"{name}: {result['models'][name]['success']:.1%} solved", flush=True)
     write_tables(result, args.out)
@@ -187,14 +181,9 @@ def write_tables(result: dict, out: str) -> None:
         + " / ".join(f"{v:.0%}" for v in d["digits_of_drawn_tasks"].values()) + ", kept samples "
         + " / ".join(f"{v:.0%}" for v in d["digits_of_kept_samples"].values()),
         "",
-        "| model | solved | numbers copied | wrong expression | right expression, wrong answer | no call |",
-        "|---|---|---|---|---|---|",
+        *copy_table(result["models"]),
+        "",
     ]  # fmt: skip
-    for name, r in result["models"].items():
-        lines.append(f"| {name} | {r['success']:.1%} | {r['number_copy']:.1%} | {r['wrong_expression']} | "
-                     f"{r['wrong_answer']} | {r['no_call']} |")  # fmt: skip
-    lines += ["", "Solved tasks by the task's digits, and task by task against the teacher model:", "",
-              *difficulty_table(result["models"]), ""]  # fmt: skip
     print("\n".join(lines))
     if out.endswith(".json"):
         with open(out[: -len(".json")] + ".md", "w", encoding="utf-8") as f:

@@ -210,11 +210,11 @@ def policy_episodes(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet,
                                                              wall_clock_s=wall_clock_s),
                            snapshots=snapshots, max_tokens_per_turn=max_tokens_per_turn)  # fmt: skip
     try:
-        indices = range(first, first + tasks)
+        numbered = {key: [(i, get_family(key.domain).generate(split, i)) for i in range(first, first + tasks)]
+                    for key in keys}  # fmt: skip
         trajs = {key: [worker.start(task, group=-1, sample=i * samples + s, thinking=key.thinking,
                                     effort=key.effort if tagged else None)
-                       for i, task in zip(indices, (get_family(key.domain).generate(split, i) for i in indices))
-                       for s in range(samples)] for key in keys}  # fmt: skip
+                       for i, task in numbered[key] for s in range(samples)] for key in keys}  # fmt: skip
         worker.run([t for v in trajs.values() for t in v], version=0, temperature=temperature)
     finally:
         snapshots.close()

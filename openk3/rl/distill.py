@@ -133,6 +133,15 @@ class DistillTrainer(RLTrainer):
         return model, tokenizer
 
     @property
+    def step_episodes(self) -> int:
+        """An offpolicy step samples one key's tasks at a time, each `draws` times (best of N may draw more than
+        --group-size); a step's tasks are dealt round-robin to the keys."""
+        if self.cfg.method != "offpolicy":
+            return super().step_episodes
+        tasks_per_key = -(-self.cfg.groups_per_step // len(self.keys))
+        return max(self.cfg.draws.values()) * tasks_per_key  # draws: --group-size where not given
+
+    @property
     def eval_episodes(self) -> int:
         return self.cfg.eval_tasks * len(self.keys)  # one set of test tasks per key, not per domain
 
@@ -375,9 +384,7 @@ class DistillTrainer(RLTrainer):
             from openk3.serve.engine import LLMEngine
 
             model = self.teachers.resident(key)
-            engine = LLMEngine(
-                model, self.tokenizer, engine_config(self.cfg, self.cfg.groups_per_step * self.cfg.group_size)
-            )
+            engine = LLMEngine(model, self.tokenizer, engine_config(self.cfg, self.step_episodes))
             worker = RolloutWorker(engine, self.tokenizer, self.fleet, self.worker.budgets, snapshots=self.snapshots,
                                    max_tokens_per_turn=self.cfg.max_tokens_per_turn, seed=self.cfg.seed)  # fmt: skip
             self._teacher_workers[key] = worker

@@ -111,7 +111,7 @@ class RLTrainer:
         if ckpt is not None:
             self._load_state(ckpt)
         engine_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        max_seqs = max(cfg.groups_per_step * cfg.group_size, self.eval_episodes)
+        max_seqs = max(self.step_episodes, self.eval_episodes)
         self.engine = LLMEngine(engine_model, self.tokenizer, engine_config(cfg, min(max_seqs, 256)))
         self.engine.weight_version = self.version
         self._own_fleet = fleet is None
@@ -359,6 +359,11 @@ class RLTrainer:
                     os.replace(tmp, path)
             self.reference.eval().requires_grad_(False)
         return self.reference
+
+    @property
+    def step_episodes(self) -> int:
+        """Episodes a training step has in flight at once (the engine and the fleet are sized for it)."""
+        return self.cfg.groups_per_step * self.cfg.group_size
 
     @property
     def eval_episodes(self) -> int:

@@ -406,6 +406,31 @@ def test_offpolicy_draws_keeps_the_first_group_size_solved_of_n_teacher_samples(
             _config(policies, tmp_path / "bad", teachers, **{"method": "offpolicy", "offpolicy_keep": "solved", **bad})
 
 
+def test_offpolicy_draws_beyond_the_group_size_fit_the_trainers_own_fleet(policies, fleet, tmp_path):
+    """Best of 12 for 2 tasks of one key: the step has 24 episodes in flight, more than --groups x --group-size
+    (2) and the evaluation (1) would size the trainer's own sandbox fleet and the teacher's engine for; all 24 run.
+    (`fleet` only skips the test where sandboxes are unavailable: the trainer makes its own here.)"""
+    cfg = _config(policies, tmp_path / "run", f"calculator={policies['a']}", method="offpolicy", groups_per_step=2,
+                  group_size=1, eval_tasks=1, offpolicy_keep="solved", offpolicy_draws="12", steps=1)  # fmt: skip
+    trainer = DistillTrainer(cfg, log=lambda *a, **k: None)
+    drawn = []
+    try:
+        assert trainer.step_episodes == 24 and trainer.fleet.max_sandboxes >= 24
+        worker = trainer._teacher_worker(trainer.keys[0])
+        run = worker.run
+
+        def counted(samples, version, **kw):
+            drawn.extend(samples)
+            return run(samples, version, **kw)
+
+        worker.run = counted
+        row = trainer.train_step()
+    finally:
+        trainer.close()
+    assert len(drawn) == 24 and all(sample.done for sample in drawn)
+    assert row["step"] == 1 and sorted({sample.group for sample in drawn}) == [0, 1]
+
+
 def test_offpolicy_loss_groups_weigh_every_token_or_every_key():
     keys = ["files:max", "calculator", "files:max", "code-fix", "calculator"]
     assert loss_groups(keys, "tokens") == [[0, 1, 2, 3, 4]]

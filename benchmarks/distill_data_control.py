@@ -6,8 +6,8 @@ scripted demonstrations copies them as well as the teacher does (docs/distill.md
 once: the data (the teacher's sampled episodes against the scripted ones), which tasks it covers (only those the
 teacher solved, so fewer long-number ones), and how it is trained (a quarter of a mixed batch at 2e-4 against a
 schedule of its own). This script holds the training fixed and varies the data only. From the cold start, with
-the calculator teacher's own SFT schedule (`--steps`, `--batch`, `--lr`, linear to a tenth; `--constant` keeps the
-rate), it trains one student on each of:
+an SFT schedule of the teachers' shape (`--steps`, `--batch`, linear to a tenth; `--constant` keeps the rate) at
+the cold start's rate (`--lr`; the teachers' own is half of it), it trains one student on each of:
 
     teacher     the teacher's samples of training tasks (`--samples` per task at `--temperature`, the offpolicy
                 settings) that solve their task: what `k3 distill --method offpolicy --offpolicy-keep solved` trains on
@@ -97,7 +97,7 @@ def arms_data(trajs: list, tokenizer, samples: int) -> tuple[dict, dict]:
 
 
 def train_arm(cold: str, tokenizer, examples: list, args, path: str) -> str:
-    """The cold start trained on `examples` (shuffled once by the seed, then cycled) with the teacher's schedule."""
+    """The cold start trained on `examples` (shuffled once by the seed, then cycled) with the control's SFT schedule (`main`'s flags)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     torch.manual_seed(args.seed)
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.5, help="the teacher's (distill.py --teacher-temperature)")
     p.add_argument("--steps", type=int, default=100, help="SFT steps (the teacher's: distill.py --teacher-steps)")
     p.add_argument("--batch", type=int, default=12, help="examples per step (distill.py --batch)")
-    p.add_argument("--lr", type=float, default=2e-3, help="linear to a tenth (the teacher's: distill.py --sft-lr)")
+    p.add_argument("--lr", type=float, default=2e-3, help="to a tenth (distill.py --sft-lr; teachers: half)")
     p.add_argument("--constant", action="store_true", help="keep the rate constant (the distillation's schedule)")
     p.add_argument("--name", default="control", help="the students are saved to WORK/NAME-{arm}")
     p.add_argument("--seed", type=int, default=0)
@@ -170,7 +170,7 @@ def write_tables(result: dict, out: str) -> None:
         "# Calculator: the teacher's solved samples against its scripted demonstrations (`benchmarks/distill_data_control.py`)",
         "",
         (f"From the cold start, calculator alone, {s['steps']} SFT steps of {s['batch']} examples at {s['lr']:g}, "
-        + ("constant" if s["constant"] else "linear to a tenth (the teacher's own schedule)")
+        + ("constant" if s["constant"] else "linear to a tenth (the teachers' steps, batch and decay)")
         + f"; {s['tasks']} training tasks, {s['samples']} teacher samples "
         f"each at temperature {s['temperature']:g}; greedy evaluation on {s['eval_tasks']} held-out tasks."),
         "",

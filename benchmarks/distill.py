@@ -312,6 +312,40 @@ def steps_to(curve: list[tuple[int, float]], score: float) -> int | None:
     return next((step for step, s in curve if s >= score - 1e-9), None)
 
 
+def lr_segments(rows: list[dict]) -> list[dict]:
+    """The learning rate a run trained at, read back from its metrics rows: runs of steps at one constant rate, or
+    moving one way (a decay), as {first, last, lr_first, lr_last}. A run resumed with another --lr or schedule
+    shows as more than one segment, so its report says what it trained at rather than its last command's rate."""
+    segments: list[dict] = []
+    for row in rows:
+        if "lr" not in row:
+            continue  # an evaluation row
+        step, lr = row["step"], row["lr"]
+        seg = segments[-1] if segments else None
+        if seg is not None and step == seg["last"] + 1:
+            same = abs(lr - seg["lr_last"]) <= 1e-9 * max(abs(lr), abs(seg["lr_last"]))
+            if seg["first"] == seg["last"]:
+                fits = True  # a second step fixes the segment's direction (or constancy)
+            elif seg["lr_first"] == seg["lr_last"]:
+                fits = same
+            else:
+                fits = not same and (lr < seg["lr_last"]) == (seg["lr_last"] < seg["lr_first"])
+            if fits:
+                seg["last"], seg["lr_last"] = step, (seg["lr_last"] if same else lr)
+                continue
+        segments.append({"first": step, "last": step, "lr_first": lr, "lr_last": lr})
+    return segments
+
+
+def lr_history(segments: list[dict]) -> str:
+    """segments as 'steps 1-100: 1.98e-03 -> 2.00e-04, 101-200: 2.00e-04'."""
+    parts = []
+    for s in segments:
+        rate = f"{s['lr_first']:.2e}" + ("" if s["lr_first"] == s["lr_last"] else f" -> {s['lr_last']:.2e}")
+        parts.append(f"{s['first']}-{s['last']}: {rate}" if s["last"] > s["first"] else f"{s['first']}: {rate}")
+    return "steps " + ", ".join(parts) if parts else "not in the metrics"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", default="runs/bench-distill", help="checkpoints and run folders (reused when present)")
@@ -421,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                     "student_start": {"eval_success": start["eval_success"], "eval_length": start["eval_length"]},
                     "final": {m: {"eval_success": r["eval_success"], "eval_length": r["eval_length"],
                                   "score": _score(r)} for m, r in finals.items()},
-                    "curves": curves}  # fmt: skip
+                    "curves": curves, "lr_by_step": {m: lr_segments(rows) for m, rows in runs.items()}}  # fmt: skip
     targets = []
     result["student_over_teacher_by_method"] = {}
     for method, final in finals.items():  # opd's row first: `student_over_teacher` is opd's (the interface)
@@ -479,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{k}={v}" for k, v in sorted(teachers.items())),
               "- every method: " + ", ".join(f"{k} {v}" for k, v in settings.items())
               + f", {args.steps} steps, held-out evaluation every {args.eval_every}",
+              *(f"- {m}'s learning rate as trained (its metrics; a resumed run's parts in turn, their times added): "
+                + lr_history(segs) for m, segs in result["lr_by_step"].items()),
               "- run: `python benchmarks/distill.py " + " ".join(sys.argv[1:] if argv is None else argv) + "` (a rerun "
               "with the same --work only re-renders this report)"]  # fmt: skip
     write_report(result, args.out, "\n".join(lines) + "\n")

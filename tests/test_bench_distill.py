@@ -146,3 +146,18 @@ def test_the_effort_target_is_judged_for_every_distilling_method_and_either_way(
     # exactly 10 points apart is within 10
     assert bench_distill.effort_targets(keys, {"opd": final(80, 200, 0.7, 0.8)})[1][0]["met"]
     assert bench_distill.effort_targets(parse_teachers("calculator=a,files:max=c"), finals) == ({}, [])
+
+
+def test_the_report_reads_the_learning_rate_each_part_of_a_resumed_run_trained_at():
+    decay = [{"step": s, "lr": 2e-3 * (1 - 0.9 * s / 100)} for s in range(1, 101)]
+    rows = [{"step": 0, "eval_success": {}}, *decay[:50], {"step": 50, "eval_success": {}}, *decay[50:]]
+    rows += [{"step": s, "lr": 2e-4} for s in range(101, 131)]  # resumed at a constant rate
+    rows += [{"step": s, "lr": 1e-4} for s in range(131, 141)]  # and again, at another
+    segs = bench_distill.lr_segments(rows)
+    assert [(g["first"], g["last"]) for g in segs] == [(1, 100), (101, 130), (131, 140)]
+    assert segs[0]["lr_first"] == pytest.approx(1.982e-3) and segs[0]["lr_last"] == pytest.approx(2e-4)
+    assert bench_distill.lr_history(segs) == "steps 1-100: 1.98e-03 -> 2.00e-04, 101-130: 2.00e-04, 131-140: 1.00e-04"
+    warmup_then_decay = [{"step": 1, "lr": 1e-4}, {"step": 2, "lr": 2e-4}, {"step": 3, "lr": 1.5e-4}]
+    assert [(g["first"], g["last"]) for g in bench_distill.lr_segments(warmup_then_decay)] == [(1, 2), (3, 3)]
+    evaluations_only = bench_distill.lr_segments([{"step": 0, "eval_success": {}}])
+    assert bench_distill.lr_history(evaluations_only) == "not in the metrics"

@@ -97,7 +97,8 @@ def arms_data(trajs: list, tokenizer, samples: int) -> tuple[dict, dict]:
 
 
 def train_arm(cold: str, tokenizer, examples: list, args, path: str) -> str:
-    """The cold start trained on `examples` (shuffled once by the seed, then cycled) with the control's SFT schedule (`main`'s flags)."""
+    """The cold start trained on `examples` (shuffled once by the seed, then cycled) with the control's SFT
+    schedule (`main`'s flags)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     torch.manual_seed(args.seed)

@@ -47,8 +47,8 @@ def test_run_metrics_resume_and_plot(init_dir, tmp_path, fleet):
 
     out, lines = str(tmp_path / "run"), []
     # The rate decays over the last step (--lr-decay-steps 1): 1e-3, then 2e-4, resumed in between.
-    warm = {"sft_steps": 2, "sft_batch_size": 4, "copy_steps": 2, "sft_guess_share": 0.5, "lr": 1e-3, "lr_decay_steps": 1,
-            "lr_min_ratio": 0.2}  # fmt: skip
+    warm = {"sft_steps": 2, "sft_batch_size": 4, "copy_steps": 2, "sft_guess_share": 0.5, "lr": 1e-3,
+            "lr_decay_steps": 1, "lr_min_ratio": 0.2}  # fmt: skip
     trainer = RLTrainer(_config(init_dir, out, steps=2, stop_after=1, **warm), log=lambda *a: None, fleet=fleet)
     trainer.run()
     trainer.close()

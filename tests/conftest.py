@@ -54,6 +54,22 @@ class _CountingLibrary:
         return call
 
 
+def _kernel_isas() -> list[str]:
+    from openk3.ops.cpu_features import features
+
+    return list(features().isas())
+
+
+@pytest.fixture(params=_kernel_isas())
+def kernel_isa(request):
+    """Runs the test once per build of the CPU kernels this CPU runs (`ops.cpu_kernels.use_isa`: AVX-512, AVX2,
+    portable); a build that fails fails the test with the compiler's message."""
+    from openk3.ops import cpu_kernels
+
+    with cpu_kernels.use_isa(request.param):
+        yield request.param
+
+
 @pytest.fixture
 def calls(monkeypatch):
     """{C function name: calls} of `openk3.ops.cpu_kernels` during the test (needs the library built)."""

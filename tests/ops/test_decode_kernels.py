@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_marks import needs_kernels
 
 from openk3.model.layers import DenseMLP
 from openk3.model.moe import GroupedExperts, fused_dispatch, grouped_dispatch, local_dispatch
 from openk3.ops import cpu_kernels, dispatch
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C compiler: {cpu_kernels._failed}")
+pytestmark = needs_kernels
 
 
 def _bf16(*shape, scale=1.0, seed=0):

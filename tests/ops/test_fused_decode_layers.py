@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_marks import needs_kernels
 
 from openk3.config import K3Config
 from openk3.model.attnres import mix, mix_norm
@@ -23,7 +24,7 @@ from openk3.ops import cpu_kernels, dispatch
 from openk3.ops.cpu_kernels import packs
 from openk3.utils import rel_rms
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C compiler: {cpu_kernels._failed}")
+pytestmark = needs_kernels
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_marks import needs_kernels
 from serve_helpers import LogitTap, greedy_reference, make_engine, random_prompt, run_to_end, tiny_model
 
-from openk3.ops import cpu_kernels, dispatch
+from openk3.ops import dispatch
 from openk3.serve.request import SamplingParams
 from openk3.utils import rel_rms
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C compiler: {cpu_kernels._failed}")
+pytestmark = needs_kernels
 
 
 torch_path = dispatch.reference_path

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_marks import needs_kernels
 from serve_helpers import LogitTap, make_engine, random_prompt, run_outputs, tiny_model
 
 from openk3.model.batch import ForwardBatch
 from openk3.model.cache import K3Cache
-from openk3.ops import cpu_kernels, dispatch
+from openk3.ops import dispatch
 from openk3.serve.request import SamplingParams
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no C compiler: {cpu_kernels._failed}")
+pytestmark = needs_kernels
 
 
 PROMPTS = [random_prompt(n, seed=n) for n in (37, 5, 21)]  # ragged: MLA blocks of different lengths, across pages

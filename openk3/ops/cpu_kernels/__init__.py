@@ -15,32 +15,49 @@ torch paths of model/kda.py and model/moe.py and `norm(attnres.mix(...))`; `ops.
 "ref" / "fused") and falls back to the reference for anything a kernel does not take (other dtypes, more rows, autograd, non-CPU tensors, or no compiler). Why they exist and how
 they round: the C file's header.
 
-The library is compiled once per source and machine into `$OPENK3_CACHE` (default `~/.cache/openk3`) with
-`-O3 -march=native -fopenmp` (`$CC`, default `cc`), written atomically, and loaded after torch, so its OpenMP calls
-resolve to the libgomp torch already loaded (one thread pool; `torch.set_num_threads` governs both). A failed build
-is logged once and the reference is used from then on.
+The library is built once per source, build and machine into `$OPENK3_CACHE` (default `~/.cache/openk3`) with the
+system C compiler (`$CC`, default `cc`), written atomically, and loaded after torch, so its OpenMP calls resolve to
+the libgomp torch already loaded (one thread pool; `torch.set_num_threads` governs both). Builds (`ISA_FLAGS`):
+"avx512" (`-march=native`, 512-bit vectors), "avx2" (`-march=native -mno-avx512f`: AVX2 + FMA) and "portable" (no
+intrinsics: the compiler vectorizes the C for its default target; on Arm the native one, NEON). The best this CPU
+runs is built (`ops.cpu_features`), or the one `$OPENK3_CPU_ISA` names; `use_isa` swaps builds (tests run every
+build the machine runs). Where the compiler takes no `-fopenmp` (Apple clang) or no `-march=native`, the build
+goes on without them and logs the compiler's words; a build that fails outright (a compile error) is logged once
+with the compiler's message (`failure()`) and the reference is used from then on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 
 import torch
+
+from openk3.ops.cpu_features import features
 
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 8  # the C kernel's MAX_ROWS: decode and small verify batches; larger inputs are GEMMs for torch
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "decode_kernels.c")
+ISA_FLAGS = {"avx512": ["-march=native", "-mprefer-vector-width=512"], "avx2": ["-march=native", "-mno-avx512f"],
+             "portable": []}  # fmt: skip
+BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-std=c11"]
+OPENMP_FLAG = "-fopenmp"
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_failed: str | None = None  # why the build or load failed (then the reference is used)
+_lib: ctypes.CDLL | None = None  # the build in use (`library()`, swapped by `use_isa`)
+_libs: dict[str, ctypes.CDLL] = {}  # every build loaded, by ISA
+_builds: dict[str, dict] = {}  # by ISA: how it was built (flags, openmp, notes) or why it failed ("error")
+_default: str | None = None  # the ISA of the default build (`default_isa()`, chosen on first use)
+_failed: str | None = None  # why the default build failed (then the reference is used)
 
 
 def _cache_dir() -> str:
@@ -58,28 +75,86 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _build() -> ctypes.CDLL:
+def compiler() -> str | None:
+    """The C compiler's path (`$CC`, default `cc`), or None where there is none."""
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def default_isa() -> str:
+    """The build `library()` loads: `$OPENK3_CPU_ISA` (one of `ISA_FLAGS`, checked against this CPU), else the
+    best this CPU runs."""
+    runnable = features().isas()
+    isa = os.environ.get("OPENK3_CPU_ISA", "").strip().lower() or "auto"
+    if isa == "auto":
+        return runnable[0]
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"OPENK3_CPU_ISA={isa!r} is not one of {['auto', *ISA_FLAGS]}")
+    if isa not in runnable:
+        raise ValueError(f"OPENK3_CPU_ISA={isa!r}: this CPU runs only {list(runnable)} ({features().summary()})")
+    return isa
+
+
+def compile_source(cc: str, flags: list[str], out: str, source: str | None = None) -> subprocess.CompletedProcess:
+    """`cc flags source -o out -lm`: one compile of the kernel source (also for other targets, e.g. a cross
+    compiler in the tests)."""
+    return subprocess.run([cc, *BASE_FLAGS, *flags, source or _SOURCE, "-o", out, "-lm"], capture_output=True, text=True,
+                          timeout=180, check=False)  # fmt: skip
+
+
+def _attempts(isa: str) -> list[tuple[list[str], str]]:
+    """The flag sets to try in order, each with the note logged when a later one is the one that built: the ISA's
+    flags with OpenMP, then without OpenMP (a compiler that has none, e.g. Apple clang); the portable build also
+    without `-march=native` (a compiler that does not take it)."""
+    march = ISA_FLAGS[isa]
+    if isa == "portable" and not features().x86:
+        march = ["-march=native"]  # Arm and others: the portable C, vectorized for this CPU (NEON)
+    tries = [([*march, OPENMP_FLAG], ""), (march, "without OpenMP (one thread)")]
+    if isa == "portable" and march:
+        tries += [([OPENMP_FLAG], "without -march=native"), ([], "without -march=native or OpenMP (one thread)")]
+    return tries
+
+
+def _build(isa: str) -> tuple[ctypes.CDLL, dict]:
+    """Build (or find in the cache) and load the `isa` library: (the library, how it was built)."""
     with open(_SOURCE, "rb") as f:
         source = f.read()
-    cc = os.environ.get("CC", "cc")
-    flags = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-    libs = ["-lm"]
-    key = hashlib.sha256(source + " ".join([cc, *flags, platform.machine(), _cpu_id()]).encode()).hexdigest()
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError(f"no C compiler: {os.environ.get('CC', 'cc')!r} is not on PATH")
     folder = _cache_dir()
-    path = os.path.join(folder, f"decode_kernels-{key[:16]}.so")
-    if not os.path.exists(path):
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-        os.close(fd)
-        try:
-            done = subprocess.run([cc, *flags, _SOURCE, "-o", tmp, *libs], capture_output=True, text=True, timeout=120, check=False)
-            if done.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
-            os.replace(tmp, path)  # atomic: a concurrent build writes the same bytes
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(path)
+    errors = []
+    for flags, note in _attempts(isa):
+        key = hashlib.sha256(source + " ".join([cc, *BASE_FLAGS, *flags, platform.machine(), _cpu_id()]).encode())
+        path = os.path.join(folder, f"decode_kernels-{isa}-{key.hexdigest()[:16]}.so")
+        if not os.path.exists(path):
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(fd)
+            try:
+                done = compile_source(cc, flags, tmp)
+                if done.returncode != 0:
+                    errors.append(f"{cc} {' '.join(flags)}: {done.stderr.strip()[-1500:]}")
+                    continue
+                os.replace(tmp, path)  # atomic: a concurrent build writes the same bytes
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(path)
+        _declare(lib)
+        built = lib.openk3_isa().decode()
+        if not built.startswith(isa):
+            raise RuntimeError(f"the {isa!r} build compiled the {built!r} path ({cc} {' '.join(flags)})")
+        record = {"isa": built, "compiler": cc, "flags": flags, "openmp": OPENMP_FLAG in flags, "path": path,
+                  "note": note}  # fmt: skip
+        if errors:
+            log.warning("the %s CPU kernels were built %s; the compiler said: %s", isa, note, errors[0])
+        return lib, record
+    raise RuntimeError("; ".join(errors[:1]))  # every attempt fails alike on a compile error: the first says why
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The C functions' signatures."""
+    lib.openk3_isa.argtypes, lib.openk3_isa.restype = [], ctypes.c_char_p
     fn = lib.openk3_gemv_bf16
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     fn.restype = ctypes.c_int
@@ -109,25 +184,72 @@ def _build() -> ctypes.CDLL:
     fn = lib.openk3_decode_stack  # layers: an array of stack.LayerArgs; the MLA rows: a stack.MLARows
     fn.argtypes = [ctypes.c_int, i64, i64, i64, vp, vp, ptrs, ctypes.POINTER(ctypes.c_double), vp, vp]
     fn.restype = ctypes.c_int
-    return lib
+
+
+def build(isa: str) -> ctypes.CDLL:
+    """The library built for `isa` (one of `ISA_FLAGS`), built and loaded once per process; raises RuntimeError
+    with the compiler's message where it cannot be built."""
+    with _lock:
+        if isa not in _libs:
+            if "error" in _builds.get(isa, {}):
+                raise RuntimeError(_builds[isa]["error"])
+            try:
+                _libs[isa], _builds[isa] = _build(isa)
+            except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+                _builds[isa] = {"error": f"{type(err).__name__}: {err}"}
+                raise RuntimeError(_builds[isa]["error"]) from err
+        return _libs[isa]
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, building it on first call; None if it cannot be built here (logged once)."""
-    global _lib, _failed
-    if _lib is None and _failed is None:
-        with _lock:
-            if _lib is None and _failed is None:
-                try:
-                    _lib = _build()
-                except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-                    _failed = f"{type(err).__name__}: {err}"
-                    log.warning("the CPU decode kernels are unavailable (%s); decode uses the torch path", _failed)
+    """The kernel library calls use (the default build, or `use_isa`'s), building the default on first call; None
+    if it cannot be built here (logged once)."""
+    global _lib, _failed, _default
+    if _default is None and _failed is None:
+        try:
+            isa = default_isa()
+            lib = build(isa)
+        except (RuntimeError, ValueError) as err:
+            _failed = str(err)
+            log.warning("the CPU decode kernels are unavailable (%s); decode uses the torch path", _failed)
+        else:
+            _default = isa
+            if _lib is None:
+                _lib = lib
     return _lib
 
 
 def available() -> bool:
     return library() is not None
+
+
+def failure() -> str | None:
+    """Why the kernels are unavailable (the compiler's message, or that there is no compiler); None if built."""
+    library()
+    return _failed
+
+
+def info() -> dict:
+    """What decode runs on this machine: the CPU's features, the builds it runs, the default build (ISA, compiler,
+    flags, OpenMP) or why there is none."""
+    built = library() is not None
+    return {"cpu": features().summary(), "runnable": list(features().isas()), "isa": _default if built else None,
+            "build": dict(_builds[_default]) if built else None, "error": _failed}  # fmt: skip
+
+
+@contextlib.contextmanager
+def use_isa(isa: str) -> Iterator[ctypes.CDLL]:
+    """Every kernel call inside the block runs the `isa` build (tests compare each build the CPU runs with the
+    reference); raises RuntimeError if it cannot be built."""
+    global _lib
+    library()  # the default first: it is what the block's end puts back
+    lib = build(isa)
+    previous = _lib
+    _lib = lib
+    try:
+        yield lib
+    finally:
+        _lib = previous
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -394,7 +516,9 @@ class MLADecode:
         rc = _lib.openk3_mla_decode_in(int(self.dtype == torch.bfloat16), N, *self._in, x_ND.data_ptr(),
                                        *self._in_weights, q.data_ptr(), latent.data_ptr(), g.data_ptr())  # fmt: skip
         if rc:
-            raise RuntimeError(f"openk3_mla_decode_in refused N={N} (at most {MAX_ROWS}), r={self.r}, r + rope={self.R}")
+            raise RuntimeError(
+                f"openk3_mla_decode_in refused N={N} (at most {MAX_ROWS}), r={self.r}, r + rope={self.R}"
+            )
         return q, latent, g
 
     def output(self, q_NQ: torch.Tensor, latent_NSR: torch.Tensor, lens: list[int], w_uk: torch.Tensor,

@@ -44,54 +44,118 @@ static inline uint16_t f32_to_bf16(float f) {
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
-#ifdef __AVX512F__
+/* ---- Vector lanes -----------------------------------------------------------------------------------------------
+ * The dot products below are written once over a vector type `vf` of VL fp32 lanes: AVX-512 (16 lanes), AVX2 + FMA
+ * (8 lanes), else a portable struct of 8 lanes whose loops the compiler vectorizes for whatever the target has (SSE2,
+ * NEON, ...). Which one a build took is `openk3_isa()` (the build chooses by its -m flags: ops/cpu_kernels
+ * builds the best this CPU runs, or the one OPENK3_CPU_ISA names). Only the order of the fp32 sums differs between
+ * them. F16C is not used: widening bf16 is a 16-bit shift, which AVX2 does directly. */
+#if defined(__AVX512F__)
 #include <immintrin.h>
-#define PREFETCH 1024 /* elements ahead: the next row's start while a row of 1024 ends */
+#define OPENK3_ISA "avx512"
+#define VL 16
+typedef __m512 vf;
+static inline vf vzero(void) { return _mm512_setzero_ps(); }
+static inline vf vload(const float *p) { return _mm512_loadu_ps(p); }
 /* 16 bf16 -> 16 fp32: widen to 32 bits and shift into the high half (exact). */
-static inline __m512 load16(const uint16_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+static inline vf vload_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define OPENK3_ISA "avx2"
+#define VL 8
+typedef __m256 vf;
+static inline vf vzero(void) { return _mm256_setzero_ps(); }
+static inline vf vload(const float *p) { return _mm256_loadu_ps(p); }
+static inline vf vload_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline float vsum(vf a) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#else
+#if defined(__ARM_NEON) || defined(__aarch64__)
+#define OPENK3_ISA "portable-neon"
+#else
+#define OPENK3_ISA "portable"
+#endif
+#define VL 8
+typedef struct {
+    float v[VL];
+} vf;
+static inline vf vzero(void) {
+    vf r;
+    for (int l = 0; l < VL; l++) r.v[l] = 0.0f;
+    return r;
+}
+static inline vf vload(const float *p) {
+    vf r;
+    memcpy(r.v, p, sizeof r.v);
+    return r;
+}
+static inline vf vload_bf16(const uint16_t *p) {
+    vf r;
+    for (int l = 0; l < VL; l++) r.v[l] = bf16_to_f32(p[l]);
+    return r;
+}
+static inline vf vfma(vf a, vf b, vf c) {
+    for (int l = 0; l < VL; l++) c.v[l] += a.v[l] * b.v[l];
+    return c;
+}
+static inline vf vadd(vf a, vf b) {
+    for (int l = 0; l < VL; l++) a.v[l] += b.v[l];
+    return a;
+}
+static inline float vsum(vf a) {
+    float s = 0.0f;
+    for (int l = 0; l < VL; l++) s += a.v[l];
+    return s;
 }
 #endif
+
+/* Which vector path this build took ("avx512", "avx2", "portable-neon" or "portable"). */
+const char *openk3_isa(void) { return OPENK3_ISA; }
+
+#define PREFETCH 1024 /* elements ahead: the next row's start while a row of 1024 ends */
+#define prefetch(p) __builtin_prefetch((const void *)(p), 0, 3)
 
 /* sum_i w[i] x[i] in fp32, w bf16. Four vector accumulators in flight: bound by loading w, not by the latency of
  * one chain of fused multiply-adds. */
 static inline float dot_bf16(const uint16_t *w, const float *x, int64_t n) {
     int64_t i = 0;
-    float acc = 0.0f;
-#ifdef __AVX512F__
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (; i + 64 <= n; i += 64) {
-        _mm_prefetch((const char *)(w + i + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + i + PREFETCH + 32), _MM_HINT_T0);
-        a0 = _mm512_fmadd_ps(load16(w + i), _mm512_loadu_ps(x + i), a0);
-        a1 = _mm512_fmadd_ps(load16(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
-        a2 = _mm512_fmadd_ps(load16(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
-        a3 = _mm512_fmadd_ps(load16(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+    vf a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 4 * VL <= n; i += 4 * VL) {
+        prefetch(w + i + PREFETCH);
+        prefetch(w + i + PREFETCH + 32);
+        a0 = vfma(vload_bf16(w + i), vload(x + i), a0);
+        a1 = vfma(vload_bf16(w + i + VL), vload(x + i + VL), a1);
+        a2 = vfma(vload_bf16(w + i + 2 * VL), vload(x + i + 2 * VL), a2);
+        a3 = vfma(vload_bf16(w + i + 3 * VL), vload(x + i + 3 * VL), a3);
     }
-    acc = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-#endif
+    float acc = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
     for (; i < n; i++) acc += bf16_to_f32(w[i]) * x[i];
     return acc;
 }
 
 static inline float dot_f32(const float *w, const float *x, int64_t n) {
     int64_t i = 0;
-    float acc = 0.0f;
-#ifdef __AVX512F__
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (; i + 64 <= n; i += 64) {
-        _mm_prefetch((const char *)(w + i + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + i + PREFETCH + 16), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + i + PREFETCH + 32), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + i + PREFETCH + 48), _MM_HINT_T0);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+    vf a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
+    for (; i + 4 * VL <= n; i += 4 * VL) {
+        for (int64_t c = 0; c < 4 * VL; c += 16) prefetch(w + i + PREFETCH + c);
+        a0 = vfma(vload(w + i), vload(x + i), a0);
+        a1 = vfma(vload(w + i + VL), vload(x + i + VL), a1);
+        a2 = vfma(vload(w + i + 2 * VL), vload(x + i + 2 * VL), a2);
+        a3 = vfma(vload(w + i + 3 * VL), vload(x + i + 3 * VL), a3);
     }
-    acc = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-#endif
+    float acc = vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
     for (; i < n; i++) acc += w[i] * x[i];
     return acc;
 }
@@ -112,28 +176,27 @@ static inline void store_any(int is_bf16, void *p, int64_t i, float v) {
         ((float *)p)[i] = v;
 }
 
-#ifdef __AVX512F__
 /* Four consecutive rows at once: four streams in flight and x loaded once for all four, each stream prefetched 16
- * KiB ahead. Measured on the 2-core machine (one process, old and new kernels interleaved): 6-10% more bandwidth
- * than one row at a time for rows of 1024 columns, but 15-20% less for rows of 512 (the routed experts), so
- * dot_rows takes it for rows of at least DOT4_MIN_COLUMNS only. */
+ * KiB ahead. Measured with AVX-512 on the 2-core machine (one process, old and new kernels interleaved): 6-10% more
+ * bandwidth than one row at a time for rows of 1024 columns, but 15-20% less for rows of 512 (the routed experts),
+ * so dot_rows takes it for rows of at least DOT4_MIN_COLUMNS only. */
 #define DOT4_MIN_COLUMNS 1024
 #define PREFETCH4_BYTES 16384
 static inline void dot4_bf16(const uint16_t *w, const float *x, int64_t n, float *out) {
     const uint16_t *r[4] = {w, w + n, w + 2 * n, w + 3 * n};
-    __m512 a[4], b[4];
-    for (int q = 0; q < 4; q++) a[q] = b[q] = _mm512_setzero_ps();
+    vf a[4], b[4];
+    for (int q = 0; q < 4; q++) a[q] = b[q] = vzero();
     int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
+    for (; i + 2 * VL <= n; i += 2 * VL) {
+        const vf x0 = vload(x + i), x1 = vload(x + i + VL);
         for (int q = 0; q < 4; q++) {
-            _mm_prefetch((const char *)(r[q] + i) + PREFETCH4_BYTES, _MM_HINT_T0);
-            a[q] = _mm512_fmadd_ps(load16(r[q] + i), x0, a[q]);
-            b[q] = _mm512_fmadd_ps(load16(r[q] + i + 16), x1, b[q]);
+            prefetch((const char *)(r[q] + i) + PREFETCH4_BYTES);
+            a[q] = vfma(vload_bf16(r[q] + i), x0, a[q]);
+            b[q] = vfma(vload_bf16(r[q] + i + VL), x1, b[q]);
         }
     }
     for (int q = 0; q < 4; q++) {
-        float acc = _mm512_reduce_add_ps(_mm512_add_ps(a[q], b[q]));
+        float acc = vsum(vadd(a[q], b[q]));
         for (int64_t t = i; t < n; t++) acc += bf16_to_f32(r[q][t]) * x[t];
         out[q] = acc;
     }
@@ -141,27 +204,26 @@ static inline void dot4_bf16(const uint16_t *w, const float *x, int64_t n, float
 
 static inline void dot4_f32(const float *w, const float *x, int64_t n, float *out) {
     const float *r[4] = {w, w + n, w + 2 * n, w + 3 * n};
-    __m512 a[4];
-    for (int q = 0; q < 4; q++) a[q] = _mm512_setzero_ps();
+    vf a[4], b[4];
+    for (int q = 0; q < 4; q++) a[q] = b[q] = vzero();
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m512 x0 = _mm512_loadu_ps(x + i);
+    for (; i + 2 * VL <= n; i += 2 * VL) {
+        const vf x0 = vload(x + i), x1 = vload(x + i + VL);
         for (int q = 0; q < 4; q++) {
-            _mm_prefetch((const char *)(r[q] + i) + PREFETCH4_BYTES, _MM_HINT_T0);
-            a[q] = _mm512_fmadd_ps(_mm512_loadu_ps(r[q] + i), x0, a[q]);
+            prefetch((const char *)(r[q] + i) + PREFETCH4_BYTES);
+            a[q] = vfma(vload(r[q] + i), x0, a[q]);
+            b[q] = vfma(vload(r[q] + i + VL), x1, b[q]);
         }
     }
     for (int q = 0; q < 4; q++) {
-        float acc = _mm512_reduce_add_ps(a[q]);
+        float acc = vsum(vadd(a[q], b[q]));
         for (int64_t t = i; t < n; t++) acc += r[q][t] * x[t];
         out[q] = acc;
     }
 }
-#endif
 
 /* out[q] = row (o + q) of W (n columns) dotted with x, for q < cnt <= 4. */
 static inline void dot_rows(int is_bf16, const void *W, int64_t o, int64_t cnt, const float *x, int64_t n, float *out) {
-#ifdef __AVX512F__
     if (cnt == 4 && n >= DOT4_MIN_COLUMNS) {
         if (is_bf16)
             dot4_bf16((const uint16_t *)W + o * n, x, n, out);
@@ -169,7 +231,6 @@ static inline void dot_rows(int is_bf16, const void *W, int64_t o, int64_t cnt, 
             dot4_f32((const float *)W + o * n, x, n, out);
         return;
     }
-#endif
     for (int64_t q = 0; q < cnt; q++) out[q] = dot_row(is_bf16, W, o + q, x, n);
 }
 

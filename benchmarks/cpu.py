@@ -14,6 +14,10 @@
   of a decode token: the weight bytes one token reads (every non-expert matrix and the LM head, the top-k routed
   experts of every MoE layer, one embedding row) over the read bandwidth;
 - fidelity: llama.cpp's fp32 logits against openk3's (`llamacpp_fidelity.logits_rel_rms`);
+- this CPU (issue 55): its ISA features, which build of the decode kernels ran (AVX-512, AVX2, portable) and whether
+  bf16 products run natively or widened to fp32 (`ops.widen`); dtype `auto` serves the checkpoint as `LLM(dtype=
+  "auto")` does (fp32 for a bf16 checkpoint on a CPU without bf16 arithmetic, where it fits), and the report
+  compares bf16 and auto with fp32 (prefill and decode medians of the same run, target >= 0.95x there);
 - a torch.profiler breakdown of openk3's decode step per dtype (decode_profile.py): ops grouped into categories, the
   top ops, and the Python/dispatch time (wall minus the ops' summed self time).
 
@@ -49,12 +53,14 @@ from decode_profile import CATEGORIES, profile_decode
 from report import load_info, machine_info, measure_matmul, targets_table, write_report
 
 from openk3.data.tokenizer import NUM_SPECIAL_TOKENS, load_tokenizer
-from openk3.serve.config import ServeConfig
+from openk3.ops import cpu_kernels
+from openk3.ops.cpu_features import features
+from openk3.serve.config import ServeConfig, serving_dtype
 from openk3.serve.engine import LLMEngine
 from openk3.serve.request import SamplingParams
 from openk3.train.checkpoint import load_model
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "auto": "auto"}  # auto: serving_dtype("auto", ckpt)
 OUTTYPES = {"fp32": "f32", "bf16": "bf16"}
 PROMPT_TOKENS = 32  # the decode measurement's prompt
 ID_LIMIT = 30000  # random ids stay below it (and below the base vocabulary: no special ids)
@@ -64,7 +70,7 @@ LLAMA_INSTALL = ('pip install -e ".[bench]" (llama-cpp-python>=0.3.36, a build w
                  "compiles llama.cpp from source: a C++ compiler and cmake, several minutes)")  # fmt: skip
 PROFILE_STEPS = 10  # --quick: 2 (reading the profiler's events back is slow: decode_profile.py)
 WORKER_TIMEOUT_S = 1800  # one side's measurement (model load, warm-up, prefill, decode)
-TARGETS = {"decode": 0.8, "prefill": 1.0, "bound": 1.5, "rel_rms": 1e-5}
+TARGETS = {"decode": 0.8, "prefill": 1.0, "bound": 1.5, "rel_rms": 1e-5, "bf16_over_fp32": 0.95}
 
 
 # ---- OMP_WAIT_POLICY -----------------------------------------------------------------------------------------
@@ -144,6 +150,21 @@ def cached_gguf(ckpt: str, outtype: str, fp32_model) -> str:
     export_gguf(model, load_tokenizer(ckpt, model.text_config), path, outtype=outtype, name=os.path.basename(folder))
     print(f"gguf {outtype}: exported {ckpt} to {path} in {time.perf_counter() - t0:.1f} s", flush=True)
     return path
+
+
+def load_as(ckpt: str, dtype: str):
+    """The checkpoint's model in `dtype` (a DTYPES name; "auto" as `LLM(dtype="auto")` resolves it here)."""
+    torch_dtype = serving_dtype("auto", ckpt)[0] if dtype == "auto" else DTYPES[dtype]
+    return load_model(ckpt, dtype=torch_dtype)[0].eval()
+
+
+def cpu_info(ckpt: str) -> dict:
+    """This CPU's features, the decode kernels' build and how bf16 products and dtype auto run here."""
+    cpu = features()
+    auto, why = serving_dtype("auto", ckpt)
+    return {"features": cpu.summary(), "flags": sorted(cpu.flags & {"avx512f", "avx512_bf16", "amx_bf16", "avx2",
+            "fma", "f16c", "asimd", "sve", "bf16"}), "kernels": cpu_kernels.info(), "bf16_native": cpu.bf16_native,
+            "auto_dtype": str(auto).removeprefix("torch."), "auto_why": why}  # fmt: skip
 
 
 def random_ids(n: int, seed: int, limit: int) -> list[int]:
@@ -328,7 +349,7 @@ def measure_side(spec: dict) -> dict:
     if spec["side"] == "machine":  # the memory bandwidth, in a process of its own like the sides
         return measure_bandwidth(spec["gib"])
     if spec["side"] == "openk3":
-        model = load_model(spec["ckpt"], dtype=DTYPES[spec["dtype"]])[0].eval()
+        model = load_as(spec["ckpt"], spec["dtype"])
         side = Openk3Side(model, len(spec["ids"]), len(spec["feed"]))
     else:
         llama_cpp, why = import_llama_cpp(False)
@@ -393,17 +414,23 @@ def summarize(rows: list[dict], dtypes: list[str], llama_ran: bool, bound: dict)
     out = {}
     for dtype in dtypes:
         cell = {}
-        for side in ("openk3", "llama.cpp") if llama_ran else ("openk3",):
+        for side in ("openk3", "llama.cpp") if llama_ran and dtype in OUTTYPES else ("openk3",):
             mine = [r for r in rows if r["dtype"] == dtype and r["side"] == side]
             cell[side] = {"prefill_tok_s": spread([r["prefill_tok_s"] for r in mine]),
                           "decode_tok_s": spread([r["decode_tok_s"] for r in mine])}  # fmt: skip
             cell[side]["decode_ms_per_token"] = 1e3 / cell[side]["decode_tok_s"]["median"]
             cell[side]["decode_over_bound"] = cell[side]["decode_ms_per_token"] / bound[dtype]["ms_per_token"]
-        if llama_ran:
+        if "llama.cpp" in cell:
             ours, theirs = cell["openk3"], cell["llama.cpp"]
             cell["decode_ratio"] = ours["decode_tok_s"]["median"] / theirs["decode_tok_s"]["median"]
             cell["prefill_ratio"] = ours["prefill_tok_s"]["median"] / theirs["prefill_tok_s"]["median"]
         out[dtype] = cell
+    fp32 = out["fp32"]["openk3"]
+    for dtype in dtypes:
+        if dtype != "fp32":  # the same run's medians: bf16 (or auto) over fp32
+            ours = out[dtype]["openk3"]
+            out[dtype]["over_fp32"] = {key: ours[f"{key}_tok_s"]["median"] / fp32[f"{key}_tok_s"]["median"]
+                                       for key in ("prefill", "decode")}  # fmt: skip
     return out
 
 
@@ -419,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=128, help=f"decode steps after a {PROMPT_TOKENS}-token prompt")
-    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    p.add_argument("--dtypes", default="fp32,bf16,auto", help="comma-separated: fp32, bf16, auto (the checkpoint "
+                   "as LLM(dtype='auto') serves it here; openk3's side only)")  # fmt: skip
+    p.add_argument("--name", default="cpu", help="the report's file name in --out-dir (NAME.json, NAME.md)")
     p.add_argument("--omp-wait-policy", choices=["auto", "passive", "active"], default="auto",
                    help="OMP_WAIT_POLICY of both sides; auto: passive when the load average before the run is above "
                         "0.5, else the runtimes' defaults (the process re-executes itself to set it)")  # fmt: skip
@@ -437,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
                    "MiB buffer, a 0.05 s matmul) and a 2-step profile")  # fmt: skip
     args = p.parse_args(argv)
     dtypes = args.dtypes.split(",")
+    if "fp32" not in dtypes:
+        raise ValueError("--dtypes: fp32 is needed (the others are compared with it)")
     if unknown := [d for d in dtypes if d not in DTYPES]:
         raise ValueError(f"--dtypes: unknown {unknown}; choose from {list(DTYPES)}")
     for name in ("rounds", "prefill_tokens", "decode_tokens"):
@@ -456,7 +487,13 @@ def main(argv: list[str] | None = None) -> int:
 
     ckpt = args.ckpt or cached_checkpoint(args.preset)
     result["checkpoint"] = ckpt
-    models = {d: load_model(ckpt, dtype=DTYPES[d])[0].eval() for d in dtypes}
+    result["cpu"] = cpu_info(ckpt)
+    kernels = result["cpu"]["kernels"]
+    print(f"cpu: {result['cpu']['features']}; decode kernels: "
+          f"{kernels['isa'] + ' build' if kernels['isa'] else 'not built: ' + str(kernels['error'])}; bf16 products "
+          f"{'native' if result['cpu']['bf16_native'] else 'widened to fp32'}; dtype auto: {result['cpu']['auto_why']}",
+          flush=True)  # fmt: skip
+    models = {d: load_as(ckpt, d) for d in dtypes}
     text = next(iter(models.values())).text_config
     base = text.vocab_size - NUM_SPECIAL_TOKENS if text.vocab_size > 2 * NUM_SPECIAL_TOKENS else text.vocab_size
     id_limit = min(ID_LIMIT, base)
@@ -469,10 +506,10 @@ def main(argv: list[str] | None = None) -> int:
     specs = {d: {"openk3": {"ckpt": ckpt, "threads": threads}} for d in dtypes}
     if llama_cpp is not None:
         fp32_model = lambda: models["fp32"] if "fp32" in models else load_model(ckpt, dtype=torch.float32)[0]
-        ggufs = {d: cached_gguf(ckpt, OUTTYPES[d], fp32_model) for d in dtypes}
+        ggufs = {d: cached_gguf(ckpt, OUTTYPES[d], fp32_model) for d in dtypes if d in OUTTYPES}
         result["gguf"] = ggufs
-        for d in dtypes:
-            specs[d]["llama.cpp"] = {"gguf": ggufs[d], "threads": threads, "use_mmap": not args.llama_no_mmap}
+        for d, gguf in ggufs.items():
+            specs[d]["llama.cpp"] = {"gguf": gguf, "threads": threads, "use_mmap": not args.llama_no_mmap}
         result["llamacpp"].update(version=llama_cpp.__version__,
                                   system_info=llama_cpp.llama_print_system_info().decode().strip())  # fmt: skip
     # The bandwidth ceiling: measured in a process of its own just before and just after the rounds; the bound uses
@@ -489,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     result["bandwidth"] = {**max(bandwidths, key=lambda b: b["read_gbs"]),
                            "read_gbs_before_after": [b["read_gbs"] for b in bandwidths],
                            "copy_gbs_before_after": [b["copy_gbs"] for b in bandwidths]}  # fmt: skip
-    result["matmul_gflops"] = measure_matmul(args.quick, [DTYPES[d] for d in dtypes])
+    result["matmul_gflops"] = measure_matmul(args.quick, [DTYPES[d] for d in dtypes if d in OUTTYPES])
     print(
         f"bandwidth: read {result['bandwidth']['read_gbs']:.1f} GB/s, copy {result['bandwidth']['copy_gbs']:.1f} "
         f"GB/s; matmul {', '.join(f'{k} {v:.0f}' for k, v in result['matmul_gflops'].items())} GFLOP/s",
@@ -534,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     result["machine"]["load_after"] = load_info()
     result["max_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     result["targets"] = evaluate_targets(result, dtypes, args)
-    write_report(result, os.path.join(out_dir, "cpu"), markdown(result, dtypes, args))
+    write_report(result, os.path.join(out_dir, args.name), markdown(result, dtypes, args))
     return 0
 
 
@@ -547,7 +584,7 @@ def evaluate_targets(r: dict, dtypes: list[str], args) -> list[dict]:
         ("prefill", f"{args.prefill_tokens} tokens"),
     ):
         floor = TARGETS[key]
-        for d in dtypes:
+        for d in [d for d in dtypes if d in OUTTYPES]:
             s = r["summary"][d]
             ours = s["openk3"][f"{key}_tok_s"]["median"]
             if why:
@@ -566,6 +603,16 @@ def evaluate_targets(r: dict, dtypes: list[str], args) -> list[dict]:
                                     f"({b['bytes'] / 1e6:.0f} MB at {r['bandwidth']['read_gbs']:.1f} GB/s): "
                                     f"{s['decode_over_bound']:.2f}x",
                         "met": s["decode_over_bound"] <= TARGETS["bound"]})  # fmt: skip
+    native = r["cpu"]["bf16_native"]
+    for d in [d for d in dtypes if d != "fp32"]:
+        for key in ("prefill", "decode"):
+            ratio = r["summary"][d]["over_fp32"][key]
+            floor = TARGETS["bf16_over_fp32"]
+            measured = (f"{r['summary'][d]['openk3'][f'{key}_tok_s']['median']:.1f} vs fp32 "
+                        f"{r['summary']['fp32']['openk3'][f'{key}_tok_s']['median']:.1f} tok/s: {ratio:.2f}x")  # fmt: skip
+            targets.append({"target": f"openk3 {d} {key} >= {floor}x fp32 on a CPU without bf16 arithmetic",
+                            "measured": measured + (" (this CPU has bf16 arithmetic: not judged)" if native else ""),
+                            "met": None if native else ratio >= floor})  # fmt: skip
     f = r.get("fidelity")
     targets.append({"target": f"logits relative RMS llama.cpp vs openk3 <= {TARGETS['rel_rms']:g} (fp32, f32 KV cache, "
                               "flash attention off)",
@@ -573,6 +620,15 @@ def evaluate_targets(r: dict, dtypes: list[str], args) -> list[dict]:
                                 if f else why,
                     "met": f["rel_rms"] <= TARGETS["rel_rms"] if f else None})  # fmt: skip
     return targets
+
+
+def cpu_line(c: dict) -> str:
+    k = c["kernels"]
+    build = (f"the **{k['isa']}** build ({'OpenMP' if k['build']['openmp'] else 'no OpenMP'}; this CPU runs "
+             f"{', '.join(k['runnable'])})" if k["isa"] else f"not built ({k['error']}): the torch path")  # fmt: skip
+    products = "natively" if c["bf16_native"] else "in fp32 from the bf16 operands, rounded once (ops.widen)"
+    return (f"CPU: {c['features']}. Decode kernels: {build}. bf16 products: {products}. dtype auto: "
+            f"{c['auto_dtype']} ({c['auto_why']}).  ")  # fmt: skip
 
 
 def markdown(r: dict, dtypes: list[str], args) -> str:
@@ -598,13 +654,14 @@ def markdown(r: dict, dtypes: list[str], args) -> str:
         f"({model['active_parameters'] / 1e6:.1f}M active), {model['hidden_size']} wide, {model['layers']} layers, "
         f"{model['experts']} experts top-{model['experts_per_token']}; random ids below {model['id_limit']}.  "),
         f"llama.cpp: {llama_line}.  ",
+        cpu_line(r["cpu"]),
         (f"Memory: read {bw['read_gbs']:.1f} GB/s (median {bw['read_gbs_median']:.1f}; before / after the rounds "
          f"{' / '.join(f'{v:.1f}' for v in bw['read_gbs_before_after'])}, the larger used), "
          f"copy {bw['copy_gbs']:.1f} GB/s "
         f"read+write (median {bw['copy_gbs_median']:.1f}), {bw['buffer_gib']:g} GiB random fp32 buffer, best of "
         f"{bw['repeats']}; matmul {', '.join(f'{k} {v:.0f}' for k, v in r['matmul_gflops'].items())} GFLOP/s."), "",
     ]  # fmt: skip
-    lines += targets_table(r["targets"], "issue 17 item 4", na="not measured")
+    lines += targets_table(r["targets"], "issue 17 item 4 and issue 55", na="not measured")
     lines += ["", f"## Throughput ({args.rounds} interleaved rounds; median [min, max])", "",
               (f"Prefill: one sequence of {args.prefill_tokens} tokens (one engine step / one llama eval). Decode: "
                f"batch 1, {args.decode_tokens} single-token steps after a {PROMPT_TOKENS}-token prompt; tok/s = "
@@ -613,7 +670,7 @@ def markdown(r: dict, dtypes: list[str], args) -> str:
               "|---|---|---:|---:|---:|---:|"]  # fmt: skip
     for d in dtypes:
         s = r["summary"][d]
-        for side in ("openk3", "llama.cpp"):
+        for side in ("openk3", "llama.cpp") if d in OUTTYPES else ("openk3",):
             if side not in s:
                 lines.append(f"| {d} | {side} | not measured | not measured | | |")
                 continue
@@ -623,6 +680,9 @@ def markdown(r: dict, dtypes: list[str], args) -> str:
                          f"{c['decode_over_bound']:.2f}x |")  # fmt: skip
         if "decode_ratio" in s:
             lines.append(f"| {d} | openk3 / llama.cpp | {s['prefill_ratio']:.2f}x | {s['decode_ratio']:.2f}x | | |")
+        if "over_fp32" in s:
+            o = s["over_fp32"]
+            lines.append(f"| {d} | openk3 {d} / fp32 | {o['prefill']:.2f}x | {o['decode']:.2f}x | | |")
     lines += ["", "## Bandwidth bound of a decode token", "",
               ("Bytes of every weight one token reads (non-expert matrices, norms and the LM head at their stored "
                f"dtype; the top-{model['experts_per_token']} of {model['experts']} routed experts of every MoE layer; "

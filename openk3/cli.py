@@ -116,12 +116,15 @@ def _generate(model: K3ForCausalLM, prompt: str, args, ckpt: str | None = None) 
 
 
 def _serve_dtype(args) -> torch.dtype | None:
-    """`--dtype` of generate/serve/chat as vLLM reads it ("auto": the checkpoint's config dtype, fp32 as bf16)."""
-    from openk3.serve.config import checkpoint_dtype, resolve_dtype
+    """`--dtype` of generate/serve/chat as vLLM reads it ("auto": the checkpoint's config dtype, fp32 as bf16; on a
+    CPU without bf16 arithmetic a bf16 one computes in fp32 where it fits, `serving_dtype`); says what "auto" chose."""
+    from openk3.serve.config import serving_dtype
     from openk3.train.checkpoint import resolve_checkpoint
 
-    auto = args.dtype is not None and args.dtype.lower() == "auto"
-    return resolve_dtype(args.dtype, checkpoint_dtype(resolve_checkpoint(args.ckpt)) if auto else None)
+    dtype, why = serving_dtype(args.dtype, resolve_checkpoint(args.ckpt))
+    if args.dtype is not None and args.dtype.lower() == "auto":
+        print(f"dtype auto: {why}", file=sys.stderr)
+    return dtype
 
 
 def cmd_generate(args) -> int:
@@ -320,7 +323,30 @@ def cmd_info(args) -> int:
     print(f"experts     {text.num_experts} routed (top-{text.num_experts_per_token}) in a {text.routed_expert_hidden_size}"
           f"-wide latent + {text.num_shared_experts} shared")  # fmt: skip
     print(f"parameters  total {total:,} ({_fmt(total)}), active per token {active:,} ({_fmt(active)})")
+    _print_cpu(args.ckpt)
     return 0
+
+
+def _print_cpu(ckpt: str | None) -> None:
+    """This CPU's ISA, the decode kernels' build and how a bf16 model computes here (`k3 info`)."""
+    from openk3.ops import cpu_kernels
+    from openk3.ops.cpu_features import features
+    from openk3.serve.config import serving_dtype
+
+    cpu = features()
+    print(f"cpu         {cpu.summary()}")
+    kernels = cpu_kernels.info()
+    if kernels["isa"] is None:
+        print(f"kernels     not built ({kernels['error']}): decode runs the torch path")
+    else:
+        build = kernels["build"]
+        openmp = "OpenMP" if build["openmp"] else "no OpenMP: one thread"
+        print(f"kernels     {kernels['isa']} build ({build['compiler']}, {openmp}); this CPU runs "
+              f"{', '.join(kernels['runnable'])}")  # fmt: skip
+    products = "natively" if cpu.bf16_native else "in fp32 (operands widened, the result rounded to bf16 once)"
+    print(f"bf16        products computed {products}")
+    if ckpt:
+        print(f"dtype auto  {serving_dtype('auto', ckpt)[1]}")
 
 
 def cmd_demo(args) -> int:

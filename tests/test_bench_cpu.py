@@ -31,11 +31,11 @@ def run(cmd: list[str], cwd, omp: str | None) -> dict:
 
 
 def check_openk3_side(result: dict) -> None:
-    assert {"machine", "omp_wait_policy", "loadavg_before", "loadavg_after", "bandwidth", "matmul_gflops", "bound",
+    assert {"machine", "cpu", "omp_wait_policy", "loadavg_before", "loadavg_after", "bandwidth", "matmul_gflops", "bound",
             "rounds", "summary", "profile", "targets"} <= set(result)  # fmt: skip
     assert result["bandwidth"]["read_gbs"] > 0 and result["bandwidth"]["copy_gbs"] > 0
     assert all(v > 0 for v in result["matmul_gflops"].values())
-    for dtype in ("fp32", "bf16"):
+    for dtype in ("fp32", "bf16", "auto"):
         bound = result["bound"][dtype]
         assert bound["bytes"] == sum(bound["parts"].values()) > 0 and bound["ms_per_token"] > 0
         ours = result["summary"][dtype]["openk3"]
@@ -45,7 +45,15 @@ def check_openk3_side(result: dict) -> None:
         assert profile["top_ops"] and all(op["self_ms_per_step"] > 0 for op in profile["top_ops"])
     # fp32 weights are twice the bf16 ones, bar the few tensors bf16 keeps in fp32
     assert 1.9 < result["bound"]["fp32"]["bytes"] / result["bound"]["bf16"]["bytes"] <= 2
-    assert len(result["targets"]) == 7 and all("target" in t and "measured" in t for t in result["targets"])
+    # vs llama.cpp (prefill, decode) x (fp32, bf16); the bandwidth bound x 3 dtypes; (bf16, auto) / fp32 x 2; fidelity
+    assert len(result["targets"]) == 12 and all("target" in t and "measured" in t for t in result["targets"])
+    cpu = result["cpu"]
+    assert cpu["kernels"]["isa"] in cpu["kernels"]["runnable"] and cpu["auto_dtype"] in ("float32", "bfloat16")
+    for dtype in ("bf16", "auto"):
+        over = result["summary"][dtype]["over_fp32"]
+        assert over["prefill"] > 0 and over["decode"] > 0
+        judged = [t for t in result["targets"] if t["target"].startswith(f"openk3 {dtype} ")]
+        assert len(judged) == 2 and all((t["met"] is None) == cpu["bf16_native"] for t in judged)
 
 
 def test_bench_cpu_without_llamacpp(tmp_path):
@@ -72,7 +80,7 @@ def test_bench_cpu_with_llamacpp(tmp_path):
     assert result["llamacpp"]["measured"] and all(os.path.exists(tmp_path / p) for p in result["gguf"].values())
     assert {(r["dtype"], r["side"]) for r in result["rounds"]} == {
         (d, s) for d in ("fp32", "bf16") for s in ("openk3", "llama.cpp")
-    }
+    } | {("auto", "openk3")}
     for dtype in ("fp32", "bf16"):
         summary = result["summary"][dtype]
         assert (

@@ -16,12 +16,11 @@ from openk3.ops.situ import situ_glu
 
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters, names and init) whose product goes through `ops.dispatch.linear`: on CPU, bf16
-    decode-sized inputs run the bf16 GEMV kernel (`ops.cpu_kernels`), everything else `F.linear` (the reference)."""
+    decode-sized inputs run the bf16 GEMV kernel (`ops.cpu_kernels`), bf16 products on a CPU without bf16 arithmetic
+    run in fp32 (`ops.widen`), everything else `F.linear` (the reference)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is not None:
-            return super().forward(x)
-        return dispatch.linear(x, self.weight)
+        return dispatch.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):

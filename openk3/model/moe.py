@@ -31,7 +31,7 @@ from torch import nn
 
 from openk3.config import K3TextConfig
 from openk3.model.layers import DenseMLP, Linear, RMSNorm
-from openk3.ops import dispatch
+from openk3.ops import dispatch, widen
 from openk3.ops.moe.route import route_replay, route_topk, router_scores
 from openk3.ops.situ import situ_glu
 
@@ -124,10 +124,10 @@ def gathered_dispatch(z_TL, idx_Tk, w_Tk, experts: GroupedExperts) -> torch.Tens
     T, k = idx_Tk.shape
     flat = idx_Tk.reshape(-1)  # P = T*k pairs
     z_P1L = z_TL.repeat_interleave(k, dim=0)[:, None]
-    a = z_P1L @ experts.w1[flat].transpose(1, 2)  # [P, 1, F]
-    b = z_P1L @ experts.w3[flat].transpose(1, 2)
+    a = widen.matmul(z_P1L, experts.w1[flat].transpose(1, 2))  # [P, 1, F]
+    b = widen.matmul(z_P1L, experts.w3[flat].transpose(1, 2))
     h = situ_glu(a, b, experts.beta, experts.linear_beta)
-    return combine_topk(h @ experts.w2[flat].transpose(1, 2), w_Tk, z_TL.dtype)
+    return combine_topk(widen.matmul(h, experts.w2[flat].transpose(1, 2)), w_Tk, z_TL.dtype)
 
 
 Observer = Callable[[nn.Module, torch.Tensor, torch.Tensor], None]

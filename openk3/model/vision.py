@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openk3.model.layers import Linear
+from openk3.ops import widen
+
 # Grid bound of the release's RoPE table (`Rope2DPosEmbRepeated(..., 512, 512)`).
 MAX_GRID_SIDE = 512
 ROPE_THETA = 10000.0
@@ -163,17 +166,17 @@ def varlen_attention(q_LHK, k_LHK, v_LHK, lengths: list[int]) -> torch.Tensor:
     out = []
     root = math.sqrt(q_LHK.shape[-1])
     for q, k, v in zip(q_LHK.split(lengths), k_LHK.split(lengths), v_LHK.split(lengths)):
-        scores_HLL = q.transpose(0, 1) @ k.transpose(0, 1).transpose(-2, -1) / root
+        scores_HLL = widen.matmul(q.transpose(0, 1), k.transpose(0, 1).transpose(-2, -1)) / root
         probs_HLL = torch.softmax(scores_HLL, dim=-1, dtype=torch.float32).to(q.dtype)
-        out.append((probs_HLL @ v.transpose(0, 1)).transpose(0, 1).flatten(1))  # [L_i, Q]
+        out.append(widen.matmul(probs_HLL, v.transpose(0, 1)).transpose(0, 1).flatten(1))  # [L_i, Q]
     return torch.cat(out)
 
 
 class VisionMLP(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
-        self.fc0 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.linear_bias)
-        self.fc1 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias)
+        self.fc0 = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.linear_bias)
+        self.fc1 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.linear_bias)
 
     def forward(self, x_LD: torch.Tensor) -> torch.Tensor:
         # The release hard-codes PytorchGELUTanh whatever `activation_func` says.
@@ -187,8 +190,8 @@ class VisionBlock(nn.Module):
         self.num_heads = cfg.num_heads
         self.norm0 = nn.RMSNorm(D)  # eps=None: finfo(dtype).eps at run time (module docstring)
         self.norm1 = nn.RMSNorm(D)
-        self.wqkv = nn.Linear(D, 3 * Q, bias=cfg.attn_bias)
-        self.wo = nn.Linear(Q, D, bias=cfg.attn_bias)
+        self.wqkv = Linear(D, 3 * Q, bias=cfg.attn_bias)
+        self.wo = Linear(Q, D, bias=cfg.attn_bias)
         self.mlp = VisionMLP(cfg)
 
     def forward(self, x_LD: torch.Tensor, cis_LK2: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -254,8 +257,8 @@ class PatchMergerMLPV2(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         width = cfg.mm_hidden_size * cfg.merge_kernel[0] * cfg.merge_kernel[1]
-        self.proj = nn.Sequential(nn.Linear(width, width, bias=False), nn.GELU(),
-                                  nn.Linear(width, cfg.text_hidden_size, bias=False))  # fmt: skip
+        self.proj = nn.Sequential(Linear(width, width, bias=False), nn.GELU(),
+                                  Linear(width, cfg.text_hidden_size, bias=False))  # fmt: skip
         self.post_norm = nn.RMSNorm(cfg.text_hidden_size, eps=cfg.projector_eps)
 
     def forward(self, merged: list[torch.Tensor]) -> list[torch.Tensor]:

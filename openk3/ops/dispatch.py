@@ -9,8 +9,9 @@ bf16 inputs and "ref" for any other dtype. Nothing in `model/` checks devices; t
 an implementation with `use_impl`, e.g. `with use_impl("kda_chunked", "bf16"): model(...)` for a bf16 model on CPU.
 
 `linear` (every projection of the model, `model.layers.Linear`, and the routed experts): "ref" is `F.linear`;
-"gemv" (the CPU default) sends bf16 inputs of at most `ops.cpu_kernels.MAX_ROWS` rows without autograd (decode, verify,
-small batches) to the bf16 GEMV kernel of `ops.cpu_kernels` and everything else to `F.linear`. `experts` ("fused"
+"cpu" (the CPU default) sends bf16 inputs of at most `ops.cpu_kernels.MAX_ROWS` rows without autograd (decode, verify,
+small batches) to the bf16 GEMV kernel of `ops.cpu_kernels`, bf16 products on a CPU without bf16 arithmetic to
+`ops.widen.linear` (fp32 compute, one rounding), and everything else to `F.linear`. `experts` ("fused"
 on CPU, "ref" elsewhere): one decode token's routed experts, or a dense SiTU MLP, in one kernel call
 (`fused_experts` tells the model whether to use it). `kda_decode` and `mix_norm` ("fused" on CPU, "ref" = the
 torch path in model/) are a whole KDA layer's decode step (its input to o_proj's output), and a Block AttnRes mix with
@@ -28,7 +29,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from openk3.ops import cpu_kernels
+from openk3.ops import cpu_kernels, widen
+from openk3.ops.cpu_features import features
 from openk3.ops.cpu_kernels import packs
 from openk3.ops.cpu_kernels.stack import DecodeStack
 from openk3.ops.kda import gpu, step
@@ -39,22 +41,27 @@ from openk3.ops.kda.step import kda_step as kda_step_cpu
 
 
 def _kda_chunked_bf16_tiles(q: torch.Tensor, *args, **kwargs):
-    """bf16 tile operands for bf16 inputs (about 1.8x faster on CPU at 8K, about 2x the rounding error of "ref"),
-    the fp32-compute op for anything else."""
-    return (kda_chunked_bf16 if q.dtype == torch.bfloat16 else kda_chunked_cpu)(q, *args, **kwargs)
+    """bf16 tile operands for bf16 inputs on a CPU with bf16 arithmetic (about 1.8x faster at 8K there, about 2x the
+    rounding error of "ref"); the fp32-compute op for anything else, and on a CPU without bf16 arithmetic, where bf16
+    products are the slow ones (`ops.widen`)."""
+    bf16_tiles = q.dtype == torch.bfloat16 and (q.device.type != "cpu" or features().bf16_native)
+    return (kda_chunked_bf16 if bf16_tiles else kda_chunked_cpu)(q, *args, **kwargs)
 
 
-def _linear_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The bf16 GEMV kernel where it applies (bf16, CPU, at most cpu_kernels.MAX_ROWS rows, no autograd), else torch's."""
-    if cpu_kernels.applies(x, weight) and cpu_kernels.available():
+def _linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The bf16 GEMV kernel where it applies (bf16, at most cpu_kernels.MAX_ROWS rows, no bias, no autograd); a bf16
+    product on a CPU without bf16 arithmetic in fp32 (`ops.widen`); else torch's."""
+    if bias is None and cpu_kernels.applies(x, weight) and cpu_kernels.available():
         return cpu_kernels.linear_gemv(x, weight)
-    return F.linear(x, weight)
+    if widen.widens(x, weight):
+        return widen.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 IMPLS: dict[str, dict[str, Callable]] = {
     "kda_chunked": {"ref": kda_chunked_cpu, "fla": gpu.kda_chunked_fla, "bf16": _kda_chunked_bf16_tiles},
     "kda_step": {"ref": kda_step_cpu, "fla": gpu.kda_step_fla},
-    "linear": {"ref": F.linear, "gemv": _linear_gemv},
+    "linear": {"ref": F.linear, "cpu": _linear_cpu},
     # A token's routed experts (and the dense SiTU MLPs) in one call; "ref" = the torch path in model/.
     "experts": {"ref": None, "fused": cpu_kernels.experts},
     # Whole layer parts in one call (prepared per module: `prepared_kernel`); "ref" = the torch path in model/.
@@ -65,7 +72,7 @@ IMPLS: dict[str, dict[str, Callable]] = {
     # A decode step's whole decoder stack in one call (model/decode_stack.py); "ref" = the layer loop.
     "decode_stack": {"ref": None, "fused": DecodeStack},
 }
-CPU_DEFAULTS = {"linear": "gemv", "experts": "fused", "kda_decode": "fused", "mix_norm": "fused", "moe_decode": "fused",
+CPU_DEFAULTS = {"linear": "cpu", "experts": "fused", "kda_decode": "fused", "mix_norm": "fused", "moe_decode": "fused",
                 "mla_decode": "fused", "decode_stack": "fused"}  # fmt: skip
 _forced: dict[str, str] = {}
 
@@ -117,9 +124,10 @@ def kda_step(q: torch.Tensor, *args, **kwargs):
     return IMPLS["kda_step"][select("kda_step", q.device)](q, *args, **kwargs)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, weight)` without bias; on CPU, bf16 decode-sized inputs go to the GEMV kernel (`ops.cpu_kernels`)."""
-    return IMPLS["linear"][select("linear", x.device)](x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; on CPU, bf16 decode-sized inputs go to the GEMV kernel (`ops.cpu_kernels`) and
+    bf16 products without bf16 arithmetic are computed in fp32 (`ops.widen`)."""
+    return IMPLS["linear"][select("linear", x.device)](x, weight, bias)
 
 
 def fused_experts(z_TL: torch.Tensor, weights: list[torch.Tensor]):

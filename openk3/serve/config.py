@@ -56,6 +56,37 @@ def resolve_dtype(dtype: str | torch.dtype | None, config_dtype: str | torch.dty
     return torch.bfloat16 if config_dtype in (None, torch.float32) else config_dtype
 
 
+def checkpoint_fp32_bytes(path) -> int | None:
+    """The bytes of a checkpoint's parameters in fp32 (its config's model built on the meta device); None where its
+    config cannot be read (a training run's folder, a damaged file: the loader reports those)."""
+    from openk3.config import K3Config
+    from openk3.model.model import K3ForCausalLM
+    from openk3.model.multimodal import K3ForConditionalGeneration
+
+    try:
+        config = K3Config.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    with torch.device("meta"):
+        model = (K3ForConditionalGeneration if config.vision_config is not None else K3ForCausalLM)(config)
+    return 4 * sum(p.numel() for p in model.parameters())
+
+
+def serving_dtype(
+    dtype: str | torch.dtype | None, path, device: str | torch.device = "cpu"
+) -> tuple[torch.dtype | None, str]:
+    """The dtype to load checkpoint `path` in on `device`, and why: `resolve_dtype`, and for "auto" the CPU rule of
+    `ops.widen.auto_dtype` (a bf16 checkpoint on a CPU without bf16 arithmetic computes in fp32 where its widened
+    weights fit in memory, else stays bf16 with every product widened tile by tile)."""
+    from openk3.ops.widen import auto_dtype
+
+    auto = isinstance(dtype, str) and dtype.lower() == "auto"
+    resolved = resolve_dtype(dtype, checkpoint_dtype(path) if auto else None)
+    if not auto:
+        return resolved, "as asked" if dtype is not None else "the stored dtypes"
+    return auto_dtype(resolved, device, checkpoint_fp32_bytes(path))
+
+
 def checkpoint_dtype(path) -> str | None:
     """The dtype a checkpoint's config.json declares ("dtype", else "torch_dtype"; the text config's if the top
     level has none); None if it declares none."""

@@ -56,12 +56,18 @@ from openk3.model.cache import cache_specs
 from openk3.model.model import K3ForCausalLM
 from openk3.model.multimodal import K3ForConditionalGeneration, placeholder_spans
 from openk3.ops.sampling import GREEDY_BELOW, sample_rows, sampling_probs_rows
-from openk3.serve.config import DEFAULT_MAX_IMAGE_PIXELS, ServeConfig, checkpoint_dtype, resolve_dtype
+from openk3.serve.config import DEFAULT_MAX_IMAGE_PIXELS, ServeConfig, resolve_dtype, serving_dtype
 from openk3.serve.kv.manager import KVCacheManager
 from openk3.serve.kv.routes import ROUTE_DTYPE, num_moe_layers
 from openk3.serve.protocol import FieldError, chat_request
 from openk3.serve.request import (
-    CompletionOutput, ImageInputs, ImageRows, Request, RequestOutput, SamplingParams, Status,
+    CompletionOutput,
+    ImageInputs,
+    ImageRows,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    Status,
 )  # fmt: skip
 from openk3.serve.runner import ModelRunner
 from openk3.serve.scheduler import Scheduler
@@ -360,7 +366,7 @@ class LLMEngine:
         touched: dict[str, None] = {}
         try:
             self._run(plan, touched)
-        except Exception as err:  # noqa: BLE001 - one bad step fails its own requests, never the engine
+        except Exception as err:
             log.exception("engine step %d failed; failing the requests it ran", self.step_count)
             message = f"the engine step failed: {type(err).__name__}: {err}"
             self._record_failure(message)
@@ -538,7 +544,8 @@ class LLM:
         media_proc_cfg = None
         if isinstance(model, (str, os.PathLike)):
             self.checkpoint = model
-            dtype = resolve_dtype(dtype, checkpoint_dtype(model) if dtype == "auto" else None)
+            dtype, why = serving_dtype(dtype, model, device)
+            log.info("LLM(%s): dtype %s (%s)", model, dtype, why)
             if K3Config.from_pretrained(model).vision_config is not None:
                 model = K3ForConditionalGeneration.from_pretrained(model, dtype=dtype, device=device)
                 media_proc_cfg = load_media_proc_cfg(self.checkpoint)

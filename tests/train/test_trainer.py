@@ -149,16 +149,25 @@ def test_activation_checkpointing_gives_the_same_step(corpus, tmp_path):
         assert torch.equal(p, q), name
 
 
-def test_synthetic_task_and_bf16_autocast(tmp_path):
+def test_synthetic_task_and_bf16_autocast(tmp_path, monkeypatch):
     """bf16 autocast on the synthetic MQAR task tracks the fp32 run of the same seed: the losses differ (autocast
     really ran) but stay within 1% (measured: 8e-4 at step 1, 7e-3 at step 2), and the run evaluates every
-    synthetic metric. Step 1's loss sits at ln(vocab) (a random init predicts uniformly)."""
+    synthetic metric. Step 1's loss sits at ln(vocab) (a random init predicts uniformly). On a CPU without bf16
+    arithmetic the autocast products run widened to fp32 (ops/widen.py), elsewhere in bf16."""
+    from openk3.ops import widen
+
+    widened = []
+    real = widen.linear
+    monkeypatch.setattr(widen, "linear", lambda *a: widened.append(1) or real(*a))
     runs = {}
     for precision in ("fp32", "bf16"):
         cfg = TrainConfig(data="mqar", batch_size=4, seq_len=64, steps=2, eval_every=2, out=str(tmp_path / precision),
                           precision=precision, **QUIET)  # fmt: skip
         last = Trainer(cfg, log=lambda *a: None).run()
         runs[precision] = (_losses(tmp_path / precision), last)
+        if precision == "fp32":
+            assert not widened
+    assert bool(widened) == (not widen.features().bf16_native)
     (fp32, last32), (bf16, last16) = runs["fp32"], runs["bf16"]
     assert len(fp32) == len(bf16) == 2
     vocab = load_model(str(tmp_path / "bf16"))[0].text_config.vocab_size

@@ -434,11 +434,14 @@ def test_bf16_op_rejects_other_dtypes_and_saves_only_checkpoints():
     assert extra == -(-100 // (16 * _CHECKPOINT_TILES)) * 2 * 32 * 16 * 4
 
 
-def test_dispatch_bf16_impl_is_opt_in_and_routes_by_dtype():
-    """`use_impl("kda_chunked", "bf16")` runs kda_chunked_bf16 for bf16 inputs and the fp32-compute op otherwise;
-    without it the dispatcher never picks it."""
+def test_dispatch_bf16_impl_is_opt_in_and_routes_by_dtype(monkeypatch):
+    """`use_impl("kda_chunked", "bf16")` runs kda_chunked_bf16 for bf16 inputs on a CPU with bf16 arithmetic (here
+    one said to have it; without it the fp32-compute op runs: tests/ops/test_widen.py) and the fp32-compute op
+    otherwise; without it the dispatcher never picks it."""
     from openk3.ops import dispatch
+    from openk3.ops.cpu_features import CPUFeatures
 
+    monkeypatch.setattr(dispatch, "features", lambda: CPUFeatures("x86_64", frozenset({"avx512f", "avx512_bf16"})))
     assert dispatch.select("kda_chunked", torch.device("cpu")) == "ref"
     x_bf, _ = bf16_inputs(1, 80, seed=3)
     h0 = torch.randn(1, 2, 32, 16)

@@ -100,21 +100,25 @@ def test_kernels_equal_the_torch_path_in_every_cache_state(scenario):
 
 
 def test_bf16_decode_step_with_both_kernels():
-    """bf16: the prefill's sampled row (its LM-head row runs the GEMV) is as close to the fp32 model's as the torch
-    path's is; the first decode step (GEMV + fused experts) gives the torch path's logits to bf16 rounding (a random
-    tiny model turns one last-bit difference into ~1e-2), and the same greedy token where the margin is clear."""
+    """bf16: the prefill's sampled row (its LM-head row runs the GEMV) and the first decode step's (GEMV + fused
+    experts) are as close to the fp32 model's as the torch path's are, and the same greedy token where the margin is
+    clear. The two bf16 paths round the same sums in other orders (on a CPU without bf16 arithmetic the prefill's
+    products too: ops/widen.py), and a random tiny model turns last-bit differences into 1e-2 to 5e-2 between them
+    (measured: both 3-8e-2 from fp32, within 4e-3 of each other's distance)."""
     model = tiny_model(0)
     prompts = _prompts(model)
     with torch_path():
-        _, _, fp32_rows = _run(model, {}, prompts, 1)
+        _, fp32_tokens, fp32_rows = _run(model, {}, prompts, 1)
     model.to_dtype(torch.bfloat16)
     with torch_path():
         _, ref_tokens, ref_rows = _run(model, {}, prompts, 1)
     _, tokens, rows = _run(model, {}, prompts, 1)
     for rid in ref_rows:
-        ours, ref, exact = rows[rid][:2], ref_rows[rid][:2], fp32_rows[rid][0]
-        assert rel_rms(ours[0], exact) <= 1.5 * rel_rms(ref[0], exact) + 1e-3, rid
-        assert rel_rms(ours[1], ref[1]) <= 3e-2, rid
+        ours, ref, exact = rows[rid][:2], ref_rows[rid][:2], fp32_rows[rid][:2]
+        assert rel_rms(ours[0], exact[0]) <= 1.5 * rel_rms(ref[0], exact[0]) + 1e-3, rid
+        assert fp32_tokens[rid][0] == ref_tokens[rid][0] == tokens[rid][0], rid  # so the step-1 rows compare
+        assert rel_rms(ours[1], exact[1]) <= 1.5 * rel_rms(ref[1], exact[1]) + 1e-3, rid
+        assert rel_rms(ours[1], ref[1]) <= 2 * rel_rms(ref[1], exact[1]), rid
         top2 = ref[1].topk(2).values
         if top2[0] - top2[1] > 0.1:
             assert tokens[rid][1] == ref_tokens[rid][1]

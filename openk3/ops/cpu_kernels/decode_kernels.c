@@ -177,10 +177,16 @@ static inline void store_any(int is_bf16, void *p, int64_t i, float v) {
 }
 
 /* Four consecutive rows at once: four streams in flight and x loaded once for all four, each stream prefetched 16
- * KiB ahead. Measured with AVX-512 on the 2-core machine (one process, old and new kernels interleaved): 6-10% more
- * bandwidth than one row at a time for rows of 1024 columns, but 15-20% less for rows of 512 (the routed experts),
- * so dot_rows takes it for rows of at least DOT4_MIN_COLUMNS only. */
+ * KiB ahead. Measured with AVX-512 on the 2-core Intel machine (one process, old and new kernels interleaved): 6-10%
+ * more bandwidth than one row at a time for rows of 1024 columns, but 15-20% less for rows of 512 (the routed
+ * experts), so dot_rows takes it for rows of at least DOT4_MIN_COLUMNS only, and only in the AVX-512 build: on the
+ * AVX2 machine (AMD Zen 3) it was slower at every width, and a bf16 decode step 16% faster without it. */
 #define DOT4_MIN_COLUMNS 1024
+#if defined(__AVX512F__)
+#define USE_DOT4 1
+#else /* AVX2 on an AMD Zen 3: one row at a time streamed 8-15% faster than four, rows of 1024 or 4096 x 1024 */
+#define USE_DOT4 0
+#endif
 #define PREFETCH4_BYTES 16384
 static inline void dot4_bf16(const uint16_t *w, const float *x, int64_t n, float *out) {
     const uint16_t *r[4] = {w, w + n, w + 2 * n, w + 3 * n};
@@ -224,7 +230,7 @@ static inline void dot4_f32(const float *w, const float *x, int64_t n, float *ou
 
 /* out[q] = row (o + q) of W (n columns) dotted with x, for q < cnt <= 4. */
 static inline void dot_rows(int is_bf16, const void *W, int64_t o, int64_t cnt, const float *x, int64_t n, float *out) {
-    if (cnt == 4 && n >= DOT4_MIN_COLUMNS) {
+    if (USE_DOT4 && cnt == 4 && n >= DOT4_MIN_COLUMNS) {
         if (is_bf16)
             dot4_bf16((const uint16_t *)W + o * n, x, n, out);
         else
@@ -238,7 +244,7 @@ static inline void dot_rows(int is_bf16, const void *W, int64_t o, int64_t cnt, 
  * best there; measured ~12% faster than four rows of one then four of the other). */
 static inline void dot_pair_rows(int is_bf16, const void *W1, const void *W3, int64_t o, int64_t cnt, const float *x,
                                  int64_t n, float *a, float *b) {
-    if (cnt == 4 && n >= DOT4_MIN_COLUMNS) {
+    if (USE_DOT4 && cnt == 4 && n >= DOT4_MIN_COLUMNS) {
         dot_rows(is_bf16, W1, o, cnt, x, n, a);
         dot_rows(is_bf16, W3, o, cnt, x, n, b);
         return;

@@ -31,7 +31,7 @@ from distill import RECIPE_BUDGETS
 from distill_reeval import model_runs, runs_parser, write_result
 
 from openk3.rl.distill_recipe import policy_episodes
-from openk3.rl.loop import SUCCESS
+from openk3.rl.evaluate import SUCCESS
 from openk3.rl.teachers import TeacherKey, parse_teachers
 from openk3.train.checkpoint import load_model
 

@@ -42,7 +42,7 @@ from distill_copy import CALCULATOR, DIGIT_BUCKETS, calculator_copy, copy_table,
 
 from openk3.data.tokenizer import load_tokenizer
 from openk3.rl.distill_recipe import demo_ids, policy_episodes, save_policy, supervised
-from openk3.rl.loop import SUCCESS
+from openk3.rl.evaluate import SUCCESS
 from openk3.train.checkpoint import load_model
 
 ARMS = ("teacher", "scripted", "all-tasks")

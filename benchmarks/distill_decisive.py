@@ -41,8 +41,8 @@ from distill_reeval import model_runs, runs_parser, write_result
 from openk3.data.xtml_parse import parse_xtml
 from openk3.rl.distill_recipe import policy_episodes
 from openk3.rl.envs import get_family, initial_messages
+from openk3.rl.evaluate import SUCCESS
 from openk3.rl.logprobs import sequence_logprobs
-from openk3.rl.loop import SUCCESS
 from openk3.rl.transcript import prompt_ids
 from openk3.train.checkpoint import load_model
 

@@ -33,7 +33,8 @@ from report import machine_info, targets_table, write_report
 
 from openk3.rl.config import RLConfig
 from openk3.rl.envs import get_family
-from openk3.rl.loop import SUCCESS, RLTrainer, engine_config
+from openk3.rl.evaluate import SUCCESS
+from openk3.rl.loop import RLTrainer, engine_config
 from openk3.rl.plot import plot_rl_run
 from openk3.rl.rollout import RolloutWorker
 from openk3.serve.engine import LLMEngine
@@ -66,13 +67,14 @@ def prefix_cache_ratio(trainer: RLTrainer, episodes: int = 16) -> dict:
     return out
 
 
-def failure_breakdown(episodes: list, tokenizer) -> dict:
+def failure_breakdown(episodes: dict, tokenizer) -> dict:
     """Why held-out episodes fail (the evaluation's greedy episodes), per family and task kind: success, no tool call
     (a guess), a tool error, or, for a clean call, what the transcript shows: calculator - the task's expression is
     (not) in the call (the numbers copied right or not); files - the answer is (not) in an observation (the right
-    tool call, then the value miscopied or the wrong line picked, or a wrong call)."""
+    tool call, then the value miscopied or the wrong line picked, or a wrong call). `episodes`: {key: trajectories},
+    as `RLTrainer.held_out_episodes` gives them."""
     out: dict[str, Counter] = defaultdict(Counter)
-    for t in episodes:
+    for t in (t for trajs in episodes.values() for t in trajs):
         task, text = t.task, tokenizer.decode(t.tokens[t.prompt_len :])
         if t.reward >= SUCCESS:
             kind = "success"

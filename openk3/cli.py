@@ -386,9 +386,10 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _launch_torchrun(nproc: int, argv: list[str], command: str = "train", module: str = "openk3.train") -> int:
+def _launch_torchrun(nproc: int, argv: list[str], command: str = "train", module: str = "openk3.train",
+                     module_args: list[str] = ()) -> int:  # fmt: skip
     """`k3 train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m openk3.train ...` (same flags); `k3 rl`
-    likewise with `-m openk3.rl`."""
+    likewise with `-m openk3.rl`, `k3 distill` with `-m openk3.rl distill`."""
     import subprocess
 
     argv = argv[argv.index(command) + 1 :]
@@ -401,7 +402,7 @@ def _launch_torchrun(nproc: int, argv: list[str], command: str = "train", module
         elif not a.startswith("--nproc="):
             rest.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", module, *rest]  # fmt: skip
+           "-m", module, *module_args, *rest]  # fmt: skip
     # torchrun would set OMP_NUM_THREADS=1 per process; the processes share the cores instead (--threads still wins).
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(pick_threads(None, nproc)[0])}
     return subprocess.call(cmd, env=env)
@@ -414,15 +415,18 @@ def cmd_rl(args) -> int:
         return _launch_torchrun(args.nproc, args.argv, command="rl", module="openk3.rl")
     try:
         cfg = config_from_args(args, RLConfig, "rl_config.json", "k3 rl")
-        return run(cfg)
+        run(cfg)
+        return 0
     except (ValueError, FileExistsError) as err:
         print(f"k3 rl: {err}", file=sys.stderr)
         return 2
 
 
 def cmd_distill(args) -> int:
-    from openk3.rl.distill import run
+    from openk3.rl.__main__ import run
 
+    if args.nproc > 1:
+        return _launch_torchrun(args.nproc, args.argv, command="distill", module="openk3.rl", module_args=["distill"])
     try:
         cfg = config_from_args(args, DistillConfig, DISTILL_CONFIG_FILE, "k3 distill")
         run(cfg)
@@ -749,7 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("rl", help="agentic RL in sandboxes: SFT warm start, rollouts, policy updates (--nproc N: "
-                       "N rollout workers)")  # fmt: skip
+                       "N rollout workers and ranks of the sharded update, --dp x --ep)")  # fmt: skip
     add_train_arguments(p, RLConfig)
     p.add_argument("--nproc", type=int, default=1, help="processes on this machine (launches torchrun)")
     p.set_defaults(func=cmd_rl)
@@ -757,6 +761,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("distill", help="multi-teacher on-policy distillation: the student samples, each token scored "
                        "by the teacher of its domain and effort (K3 Eq. 15); baselines rl, topk, offpolicy")  # fmt: skip
     add_train_arguments(p, DistillConfig)
+    p.add_argument("--nproc", type=int, default=1, help="processes on this machine (launches torchrun)")
     p.set_defaults(func=cmd_distill)
 
     p = sub.add_parser("plot", help="PNG plots of a run (loss, MaxVio, expert load; a k3 rl run: reward, success, "

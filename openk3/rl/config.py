@@ -80,7 +80,21 @@ class RLConfig:
     eval_tasks: int = flag(32, "held-out tasks per family per evaluation (greedy)")
     save_every: int = flag(25, "checkpoint every N steps and at the end")
     keep_checkpoints: int = flag(2, "complete checkpoints to keep")
+    max_nonfinite: int = flag(5, "stop (saving the last good weights) after this many non-finite steps in a row; "
+                              "each one is skipped")  # fmt: skip
     prefix_caching: bool = flag(True, "prefix caching in the rollout engine (turns resume from the previous turn)")
+    device: str = flag("auto", "auto (cuda when available), cpu, cuda, cuda:1, ...: the trainer and the engine",
+                       launch=True)  # fmt: skip
+    precision: str = flag("fp32", "fp32, bf16 (autocast) or auto (bf16 on CUDA when supported): the update",
+                          choices=("fp32", "bf16", "auto"))  # fmt: skip
+    dp: int | None = flag(None, "data-parallel degree of the update (FSDP2); default: the processes not taken by "
+                          "--ep and --cp", launch=True)  # fmt: skip
+    ep: int = flag(1, "expert-parallel degree of the update (experts split over ranks, all-to-all dispatch)",
+                   launch=True)  # fmt: skip
+    cp: int = flag(1, "context-parallel degree (only 1 for now)", launch=True)
+    max_num_batched_tokens: int = flag(4096, "the rollout engine's token budget per step")
+    cache_memory_mb: int = flag(256, "the rollout engine's KV/state cache memory, MiB")
+    max_model_len: int = flag(2048, "the rollout engine's longest sequence (prompt + episode), tokens")
     progress: bool = flag(True, "no progress bar", launch=True)
     threads: int | None = flag(None, "torch CPU threads per process", launch=True)
 
@@ -100,13 +114,16 @@ class RLConfig:
         if not self.families or unknown:
             raise ValueError(f"--task: unknown task family {unknown or self.task!r}; choose from {sorted(FAMILIES)}")
         positive = ("steps", "groups_per_step", "group_size", "max_turns", "max_tokens", "max_tokens_per_turn",
-                    "eval_every", "eval_tasks", "save_every", "sft_batch_size", "micro_batch_tokens")  # fmt: skip
+                    "eval_every", "eval_tasks", "save_every", "sft_batch_size", "micro_batch_tokens", "ep", "cp",
+                    "max_num_batched_tokens", "cache_memory_mb", "max_model_len", "max_nonfinite")  # fmt: skip
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         for name in ("copy_steps", "sft_steps", "max_off_policy_steps", "kl_coef", "weight_decay", "gap_check_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.dp is not None and self.dp <= 0:
+            raise ValueError(f"--dp must be positive, got {self.dp}")
         if self.lr <= 0 or self.sft_lr <= 0:
             raise ValueError("--lr and --sft-lr must be positive")
         if not 0 <= self.lr_decay_steps <= self.steps:

@@ -6,7 +6,7 @@ token y_t of an episode with domain d and effort e is scored by the teacher of (
 
     r_opd(y_t) = clip( sg( log π_teacher^(d,e)(y_t | x, y_<t) − log π_θ(y_t | e, x, y_<t) ), −R_max, R_max )
 
-is a dense per-token reward inside the same RL losses (`losses.policy_loss`). The student's prompt carries the
+is a dense per-token reward inside the same RL losses (the `opd` loss of train/losses.py). The student's prompt carries the
 effort tag (XTML's thinking-effort message); the teacher, an expert of that effort, sees the episode without it: its
 context is its own prompt followed by the student's tokens verbatim (`teacher_tokens`). Each teacher scores all of its
 tokens of a step in one batched forward, and the student's log-probs for the reward come from a forward batched the
@@ -42,31 +42,27 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
+from dataclasses import replace
 from functools import partial
 
 import torch
 
 from openk3.config import K3Config
 from openk3.data.tokenizer import load_tokenizer
+from openk3.rl.advantages import group_advantages
 from openk3.rl.distill_config import CONFIG_FILE, METHODS, DistillConfig, TauSchedule, parse_tau_final  # noqa: F401
 from openk3.rl.envs import Task, get_family, initial_messages
+from openk3.rl.evaluate import SUCCESS, episode_results, summarize
 from openk3.rl.logprobs import sequence_log_softmax, sequence_logprobs
-from openk3.rl.loop import SUCCESS, RLTrainer, _task_index, engine_config, micro_batches
-from openk3.rl.losses import group_advantages
+from openk3.rl.loop import RLTrainer, _task_index, engine_config
 from openk3.rl.rollout import RolloutWorker, Trajectory
 from openk3.rl.teachers import TeacherKey, TeacherRegistry, top_efforts
 from openk3.rl.transcript import prompt_ids
+from openk3.train.batch import TokenBatch, micro_batches
+from openk3.train.losses import opd_reward
 
 
 # ---- the rewards -----------------------------------------------------------------------------------------------
-def opd_reward(teacher_logp_T: torch.Tensor, student_logp_T: torch.Tensor, r_max: float) -> torch.Tensor:
-    """Eq. 15: clip(sg(log π_teacher − log π_student), −r_max, r_max), per token (fp32, no gradient)."""
-    if r_max <= 0:
-        raise ValueError(f"r_max must be positive, got {r_max}")
-    diff_T = teacher_logp_T.detach().float() - student_logp_T.detach().float()
-    return diff_T.clamp(-r_max, r_max)
-
-
 def budget_reward(length: int, b0: float, tau: float) -> float:
     """−1 for a response longer than τ·b0 tokens, else 0 (K3's effort budget)."""
     return -1.0 if length > tau * b0 else 0.0
@@ -87,39 +83,36 @@ def loss_groups(keys: list[str], weight: str) -> list[list[int]]:
     return [by_key[k] for k in sorted(by_key)]
 
 
-def offpolicy_backward(model, batch: list[tuple[list[int], list[bool]]], groups: list[list[int]],
-                       micro_batch_tokens: int) -> float:  # fmt: skip
-    """Backpropagate L = mean over `groups` of (the group's cross-entropy summed over its masked tokens / their
-    count), micro-batched within each group; returns L. The gradients add up to those of L in one forward."""
-    from openk3.rl import sft  # looked up at call time: tests watch sft.sft_loss
-
-    total = 0.0
+def offpolicy_weights(masks: list[list[bool]], groups: list[list[int]]) -> list[torch.Tensor]:
+    """Per example, the weight of each of its positions in the `lm` loss L = mean over `groups` of (the group's
+    cross-entropy summed over its masked tokens / their count): 1 / (the group's mask tokens x the number of
+    groups). `masks`: every example's loss mask (position t scores token t + 1, so entry 0 never counts)."""
+    out: list[torch.Tensor | None] = [None] * len(masks)
     for members in groups:
-        n_group = sum(sum(batch[i][1][1:]) for i in members)  # position 0 is never predicted
-        for chunk in micro_batches([len(batch[i][0]) for i in members], micro_batch_tokens):
-            loss, n = sft.sft_loss(model, [batch[members[j]] for j in chunk])
-            scale = n / max(n_group, 1) / len(groups)
-            (loss * scale).backward()
-            total += loss.item() * scale
-    return total
+        n_group = sum(sum(masks[i][1:]) for i in members)
+        for i in members:
+            out[i] = torch.full((len(masks[i]) - 1,), 1.0 / max(n_group, 1) / len(groups))
+    return out
 
 
 class DistillTrainer(RLTrainer):
     cfg: DistillConfig
     command = "k3 distill"
 
-    def __init__(self, cfg: DistillConfig, log=print, sync=None, fleet=None):
+    def __init__(self, cfg: DistillConfig, log=print, fleet=None):
         self._specs = cfg.teacher_specs
         self.keys = sorted(self._specs)
-        super().__init__(cfg, log=log, sync=sync, fleet=fleet)
-        if self.sync.world > 1:
-            raise ValueError("k3 distill runs in one process (its teachers score on rank 0 only)")
-        self.teachers = TeacherRegistry(self._specs, self.tokenizer, self.model.text_config, cfg.residency)
+        super().__init__(cfg, log=log, fleet=fleet)
+        self.loss_config = replace(self.loss_config, opd_weight=cfg.weights[0], r_max=cfg.r_max)
         self.tau = cfg.tau
         self.b0: dict[str, int] = getattr(self, "_resume_b0", {})
         self._cold_worker = None  # the cold-start model's worker, built when a b0 is first needed
         self._teacher_workers: dict[TeacherKey, RolloutWorker] = {}
         self.score_s = 0.0  # time spent in teacher forwards (and teacher loads, in turn)
+
+    def _check_sources(self) -> None:
+        """The teachers: each must speak the student's tokenizer and vocabulary (a VocabularyMismatch names it)."""
+        self.teachers = TeacherRegistry(self._specs, self.tokenizer, self.model.text_config, self.cfg.residency)
 
     def _fresh_policy(self):
         """A fresh `preset` student speaking the teachers' vocabulary (the first teacher's tokenizer)."""
@@ -160,9 +153,10 @@ class DistillTrainer(RLTrainer):
         return out
 
     def _new_trajectories(self) -> list[Trajectory]:
-        """The step's tasks, `group_size` samples each, effort-tagged."""
+        """This rank's share of the step's tasks (every world-th group), `group_size` samples each, effort-tagged."""
         out = [self.worker.start(task, group=group, sample=s, thinking=key.thinking, effort=key.effort)
-               for group, key, task in self._step_tasks() for s in range(self.cfg.group_size)]  # fmt: skip
+               for group, key, task in self._step_tasks() if group % self.sync.world == self.sync.rank
+               for s in range(self.cfg.group_size)]  # fmt: skip
         if self.cfg.uses_budget:
             self._measure_b0(out)
         return out
@@ -187,14 +181,15 @@ class DistillTrainer(RLTrainer):
         """b0(x) for each new effort-tagged task: the cold-start model's greedy episode length at the domain's
         highest effort."""
         tasks = {t.task.task_id: t.task for t in trajs if t.effort is not None and t.task.task_id not in self.b0}
-        if not tasks:
+        if not tasks and self.sync.world == 1:
             return
         worker = self._cold()
         top = top_efforts(self.keys)
         episodes = [worker.start(task, group=-2, sample=0, effort=top[task.family]) for task in tasks.values()]
         worker.run(episodes, version=0, temperature=0.0)
-        for traj in episodes:
-            self.b0[traj.task.task_id] = max(traj.num_generated, 1)
+        measured = {traj.task.task_id: max(traj.num_generated, 1) for traj in episodes}
+        for part in self.sync.gather_results([measured]):  # every rank reads every task's budget
+            self.b0.update(part)
 
     def _cold(self) -> RolloutWorker:
         if self._cold_worker is None:
@@ -221,22 +216,37 @@ class DistillTrainer(RLTrainer):
         prompt = prompt_ids(initial_messages(traj.task), traj.task.tools, self.tokenizer, thinking=traj.thinking)
         return prompt + traj.tokens[traj.prompt_len :], len(prompt) - traj.prompt_len
 
-    def opd_rewards(self, trajs: list[Trajectory]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per trajectory, (r_opd [n - 1], teacher log-probs [n - 1]) at the student's positions (0 before the first
-        generated token). One no-grad forward per teacher over all of its trajectories, and one student forward
-        over the same trajectories, both with natural routing."""
-        rewards = [torch.zeros(len(t.tokens) - 1) for t in trajs]
+    def opd_scores(self, trajs: list[Trajectory]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per trajectory, (the teacher's log-probs [n - 1], the student's [n - 1]) at the student's positions (0
+        before the first generated token): one no-grad forward per teacher over all of its trajectories, and one
+        student forward over the same trajectories, both with natural routing."""
         teacher_lps = [torch.zeros(len(t.tokens) - 1) for t in trajs]
+        student_lps = [torch.zeros(len(t.tokens) - 1) for t in trajs]
         t0 = time.perf_counter()
         forward = partial(sequence_logprobs, temperature=self.cfg.teacher_temperature)
         for idx, theirs in self._teacher_forward(trajs, forward):
             with torch.no_grad():
-                ours = sequence_logprobs(self.model, [trajs[i].tokens for i in idx])
+                ours = sequence_logprobs(self._policy_for_scoring(), [trajs[i].tokens for i in idx])
             for i, (start, t_lp), s_lp in zip(idx, theirs, ours):
                 teacher_lps[i][start:] = t_lp
-                rewards[i][start:] = opd_reward(t_lp, s_lp[start:], self.cfg.r_max)
+                student_lps[i][start:] = s_lp[start:].detach().cpu()
         self.score_s += time.perf_counter() - t0
-        return rewards, teacher_lps
+        return teacher_lps, student_lps
+
+    def opd_rewards(self, trajs: list[Trajectory]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per trajectory, (r_opd [n - 1], teacher log-probs [n - 1]) at the student's positions (0 before the first
+        generated token)."""
+        teacher_lps, student_lps = self.opd_scores(trajs)
+        return [opd_reward(t, s, self.cfg.r_max) for t, s in zip(teacher_lps, student_lps)], teacher_lps
+
+    def _policy_for_scoring(self):
+        """The student whose log-probs enter the reward: the trainer's model in one process; a whole copy of it on
+        each rank of a laid-out run (scoring is rank-local, so no rank waits for another's collectives)."""
+        if self.sync.world == 1:
+            return self.model
+        if getattr(self, "_scoring_version", None) != self.version:
+            self._scoring_copy, self._scoring_version = self._policy_copy(), self.version
+        return self._scoring_copy
 
     def _teacher_forward(self, trajs: list[Trajectory], forward):
         """Per teacher key: (indices into `trajs`, per index (start, rows)), from one no-grad `forward(teacher,
@@ -249,67 +259,48 @@ class DistillTrainer(RLTrainer):
             starts = [trajs[i].prompt_len - 1 for i in idx]
             yield idx, [(start, out[start + shift :]) for start, (_, shift), out in zip(starts, contexts, outs)]
 
-    def token_advantages(self, trajs, seq_T, mask_T):
+    @property
+    def loss_name(self) -> str:
+        if self.cfg.method == "topk":
+            return "topk_kl"
+        if self.cfg.method == "offpolicy":
+            return "lm"
+        return "opd" if self.cfg.weights[0] > 0 else self.cfg.loss
+
+    def token_fields(self, trajs):
+        """Group advantages of task_weight x task reward + budget_weight x budget reward; with the opd reward, the
+        teacher's and the student's scores of every token (the `opd` loss adds the clipped reward)."""
         opd_w, task_w, budget_w = self.cfg.weights
         budgets = [self.budget(t, self.step) for t in trajs]
         rewards_S = torch.tensor([task_w * t.reward + budget_w * b for t, b in zip(trajs, budgets)])
-        adv_T = group_advantages(rewards_S, torch.tensor([t.group for t in trajs]),
-                                 normalize_std=self.cfg.normalize_std)[seq_T]  # fmt: skip
+        adv_S = group_advantages(rewards_S, torch.tensor([t.group for t in trajs]), normalize_std=self.cfg.normalize_std)
+        fields = {"advantages_T": [adv_S[i].expand(len(t.tokens) - 1) for i, t in enumerate(trajs)]}
         metrics = {"budget_penalty_rate": sum(b < 0 for b in budgets) / len(trajs),
                    "tau": {e: self.tau(e, self.step) for e in sorted({t.effort for t in trajs if t.effort})}}  # fmt: skip
         if opd_w > 0:
-            r_T = torch.cat(self.opd_rewards(trajs)[0])
-            adv_T = adv_T + opd_w * torch.where(mask_T, r_T, 0.0)
-            n = max(int(mask_T.sum()), 1)
-            metrics["opd_reward"] = float(r_T[mask_T].sum()) / n
-            metrics["reverse_kl"] = -metrics["opd_reward"]  # the per-token estimate E[log π_θ − log π_teacher]
-            metrics["opd_clip_fraction"] = float((r_T[mask_T].abs() >= self.cfg.r_max).sum()) / n
-        return adv_T, metrics
+            fields["teacher_logp_T"], fields["student_logp_T"] = self.opd_scores(trajs)
+        return fields, metrics
+
+    def batch_fields(self, batch: list[Trajectory]) -> dict[str, list[torch.Tensor]]:
+        """topk: the teacher's top-k ids and renormalised probabilities of each micro-batch, scored with it."""
+        if self.cfg.method != "topk":
+            return {}
+        t0 = time.perf_counter()
+        targets = self._teacher_topk(batch)
+        self.score_s += time.perf_counter() - t0
+        return {"teacher_topk_ids_Tk": [ids for ids, _ in targets], "teacher_topk_probs_Tk": [q for _, q in targets]}
 
     # ---- the update of each method -----------------------------------------------------------------------------
     def train_step(self) -> dict:
         if self.cfg.method == "offpolicy":
-            lr = self._set_rate()
-            return {**self._offpolicy_step(), "lr": lr}
+            return self._offpolicy_step()
         return super().train_step()
 
     def update(self, trajs: list[Trajectory]) -> dict:
+        row = super().update(trajs)
         if self.cfg.method == "topk":
-            return self._topk_update(trajs)
-        return super().update(trajs)
-
-    def _topk_update(self, trajs: list[Trajectory]) -> dict:
-        """Forward KL(q_teacher^topk ‖ π_θ) per generated token, q the teacher's top-k probabilities renormalised,
-        averaged over the generated tokens; micro-batched like the RL update."""
-        cfg = self.cfg
-        trajs = [t for t in trajs if t.num_generated and t.routed_experts is not None]
-        if not trajs:
-            return {"loss": 0.0, "trained_sequences": 0}
-        n_mask = sum(sum(t.generated[1:]) for t in trajs)
-        self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        t_score = 0.0
-        for chunk in micro_batches([len(t.tokens) for t in trajs], cfg.micro_batch_tokens):
-            batch = [trajs[i] for i in chunk]
-            t0 = time.perf_counter()
-            targets = self._teacher_topk(batch)  # per trajectory: (ids [n-1, k], probs [n-1, k])
-            t_score += time.perf_counter() - t0
-            routes = [t.routed_experts for t in batch] if cfg.routing_replay else None
-            logps = sequence_log_softmax(self.model, [t.tokens for t in batch], routes)
-            loss = 0.0
-            for t, lp_nV, (ids_nk, q_nk) in zip(batch, logps, targets):
-                mask_n = torch.tensor(t.generated[1:], dtype=torch.bool)
-                ce_n = -(q_nk * lp_nV.gather(-1, ids_nk)).sum(-1)
-                ent_n = (q_nk * q_nk.clamp(min=1e-30).log()).sum(-1)  # makes the value the KL; no gradient
-                loss = loss + torch.where(mask_n, ce_n + ent_n, 0.0).sum() / n_mask
-            loss.backward()
-            total += loss.item()
-        self.score_s += t_score
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        return {"loss": total, "forward_kl_topk": total, "grad_norm": float(grad_norm),
-                "trained_sequences": len(trajs), "logprob_gap": 0.0}  # fmt: skip
+            row["forward_kl_topk"] = row["loss"]  # the topk_kl loss is the forward KL itself
+        return row
 
     def _teacher_topk(self, batch: list[Trajectory]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         out: list = [None] * len(batch)
@@ -330,11 +321,13 @@ class DistillTrainer(RLTrainer):
         size and the first group-size ones that solve it are kept: best of N."""
         cfg = self.cfg
         t_step = time.perf_counter()
+        lr = self.rate(self.step)
         by_key = defaultdict(list)
         for group, key, task in self._step_tasks():
-            by_key[key].append((group, task))
+            if group % self.sync.world == self.sync.rank:  # this rank's share of the tasks
+                by_key[key].append((group, task))
         batch, batch_keys, rewards, lengths = [], [], [], []
-        covered = {}  # per key: the share of the step's tasks with a sample kept
+        covered = {}  # per key: (tasks with a sample kept, tasks) of this rank
         gen_tokens = 0
         draws = cfg.draws
         for key, tasks in sorted(by_key.items()):
@@ -357,21 +350,40 @@ class DistillTrainer(RLTrainer):
                 mask = [False] * len(prompt) + sample.generated[sample.prompt_len :]
                 batch.append((tokens, mask))
                 batch_keys.append(str(key))
-            covered[str(key)] = len(kept) / len(tasks)  # reading a Counter's missing group adds no entry
+            covered[str(key)] = (len(kept), len(tasks))  # reading a Counter's missing group adds no entry
         t_rollout = time.perf_counter() - t_step
         t0 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        total = offpolicy_backward(self.model, batch, loss_groups(batch_keys, cfg.offpolicy_weight),
-                                   cfg.micro_batch_tokens)  # fmt: skip
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        if batch and torch.isfinite(grad_norm):
-            self.optimizer.step()
+        # Every rank sampled its share of the tasks; each trains on its share of all ranks' kept samples.
+        parts = self.sync.gather_results([(batch, batch_keys, rewards, lengths, covered, gen_tokens)])
+        batch = [x for p in parts for x in p[0]]
+        batch_keys = [x for p in parts for x in p[1]]
+        rewards, lengths = [x for p in parts for x in p[2]], [x for p in parts for x in p[3]]
+        counts = defaultdict(lambda: [0, 0])
+        for p in parts:
+            for k, (n_kept, n_tasks) in p[4].items():
+                counts[k][0] += n_kept
+                counts[k][1] += n_tasks
+        covered = {k: n_kept / n_tasks for k, (n_kept, n_tasks) in sorted(counts.items())}
+        gen_tokens = sum(p[5] for p in parts)
+        weights = offpolicy_weights([mask for _, mask in batch], loss_groups(batch_keys, cfg.offpolicy_weight))
+        lo, hi = self.sync.share(len(batch))
+        mine = list(range(lo, hi))
+        mbs = []
+        for chunk in micro_batches([len(batch[i][0]) for i in mine], cfg.micro_batch_tokens):
+            idx = [mine[j] for j in chunk]
+            mbs.append(TokenBatch.from_sequences([batch[i][0] for i in idx], [batch[i][1] for i in idx],
+                                                 fields={"token_weight_T": [weights[i] for i in idx]}))  # fmt: skip
+        mbs += [TokenBatch.padding_batch()] * (self.sync.max_over_ranks(len(mbs)) - len(mbs))
+        out = {"loss": 0.0, "grad_norm": 0.0}
+        if batch:  # a step that keeps no sample makes no update
+            out = self.core.step(mbs, "lm", lr)
+        total, grad_norm = out["loss"], out["grad_norm"]
         t_train = time.perf_counter() - t0
         self.step += 1
         self.version += 1
         self._publish()
         n = max(len(rewards), 1)
-        return {"step": self.step, "loss": total, "grad_norm": float(grad_norm), "reward": sum(rewards) / n,
+        return {"step": self.step, "lr": lr, "loss": total, "grad_norm": float(grad_norm), "reward": sum(rewards) / n,
                 "teacher_reward": sum(rewards) / n, "response_tokens": sum(lengths) / n, "logprob_gap": 0.0,
                 "kept_fraction": len(batch) / n,
                 "rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9), "train_share": t_train / (time.perf_counter()
@@ -397,17 +409,16 @@ class DistillTrainer(RLTrainer):
         row["score_s"] = self.score_s
         return row
 
-    def evaluate(self) -> dict:
-        """Held-out success and mean response length (generated tokens) per teacher key: greedy episodes on the
-        test split, effort-tagged as in training (the same tasks every time)."""
-        trajs = []
-        for key in self.keys:
-            family = get_family(key.domain)
-            trajs += [self.worker.start(family.generate("test", i), group=-1, sample=i, thinking=key.thinking,
-                                        effort=key.effort) for i in range(self.cfg.eval_tasks)]  # fmt: skip
-        self.worker.run(trajs, self.version, temperature=0.0)
-        success, length = self._key_means(trajs)
-        return {"eval_success": success, "eval_length": length}
+    @property
+    def eval_keys(self) -> list[TeacherKey]:
+        return self.keys  # one set of test tasks per teacher key, effort-tagged as in training
+
+    def evaluate(self, episodes: dict | None = None) -> dict:
+        """Held-out success and mean response length (generated tokens) per teacher key."""
+        trajs = self.held_out_episodes() if episodes is None else episodes
+        summary = summarize(self.sync.gather_results(episode_results(trajs)))
+        return {"eval_success": {k: v["success"] for k, v in sorted(summary.items())},
+                "eval_length": {k: v["length"] for k, v in sorted(summary.items())}}  # fmt: skip
 
     # ---- checkpoint state --------------------------------------------------------------------------------------
     def _extra_state(self) -> dict:
@@ -416,19 +427,3 @@ class DistillTrainer(RLTrainer):
     def _load_extra_state(self, state: dict) -> None:
         self._resume_b0 = dict(state.get("b0", {}))
 
-
-def run(cfg: DistillConfig, log=print) -> dict:
-    """`k3 distill`: one run in this process; returns the last metrics row."""
-    from openk3.utils import set_threads
-
-    threads = set_threads(cfg.threads, 1)
-    log(f"k3 distill: {threads}; method {cfg.method}; teachers {', '.join(map(str, sorted(cfg.teacher_specs)))}")
-    trainer = DistillTrainer(cfg, log=log)
-    try:
-        last = trainer.run()
-    finally:
-        trainer.close()
-    if last.get("eval_success"):
-        shown = ", ".join(f"{k} {v:.0%}" for k, v in last["eval_success"].items())
-        log(f"k3 distill: final held-out success: {shown}")
-    return last

@@ -33,9 +33,14 @@ import torch
 from openk3.data.tokenizer import train_bpe
 from openk3.data.xtml import render_xtml
 from openk3.rl.envs import Task, get_family, initial_messages
-from openk3.rl.sft import COPY_BATCH, CopyStream, sft_loss
+from openk3.rl.evaluate import check_selection, episode_results, held_out_episodes, summarize
+from openk3.rl.sft import COPY_BATCH, CopyStream
 from openk3.rl.teachers import TeacherKey, top_efforts
 from openk3.rl.transcript import episode_ids
+from openk3.train.balance import Balancer
+from openk3.train.batch import TokenBatch
+from openk3.train.core import TrainCore
+from openk3.train.distributed import Layout
 from openk3.train.optim import param_groups
 
 TOKENIZER_EPISODES = 400  # demonstrations per (domain, effort) the recipe's tokenizer is trained on
@@ -146,19 +151,16 @@ class RecipeStream:
 
 
 def supervised(model, batches, steps: int, lr: float, *, decay: bool = True, progress=None) -> list[float]:
-    """`steps` AdamW steps of cross-entropy on `batches()` (the rate linear to a tenth when `decay`); the losses."""
-    optimizer = torch.optim.AdamW(param_groups(model, 0.0), lr=lr, betas=(0.9, 0.95))
+    """`steps` AdamW steps of the `lm` loss on `batches()` on the training core, in this process (the rate linear
+    to a tenth when `decay`); the losses."""
+    optimizer = torch.optim.AdamW(param_groups(model, 0.0), lr=lr, betas=(0.9, 0.95), foreach=False)
+    core = TrainCore(model, Layout.single(), optimizer, balancer=Balancer(model, "none"), grad_clip=1.0)
     model.train()
     losses = []
     for i in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr * (1 - 0.9 * i / steps if decay else 1.0)
-        loss, _ = sft_loss(model, batches())
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
+        examples = batches()
+        batch = TokenBatch.from_sequences([ids for ids, _ in examples], [mask for _, mask in examples])
+        losses.append(core.step([batch], "lm", lr * (1 - 0.9 * i / steps if decay else 1.0))["loss"])
         if progress is not None:
             progress(i + 1, losses[-1])
     return losses
@@ -182,12 +184,9 @@ def policy_episodes(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet,
                     temperature: float = 0.0, wall_clock_s: float = math.inf, first: int = 0,
                     split: str = "test", samples: int = 1) -> dict:  # fmt: skip
     """{key: the finished trajectories of the `split`'s tasks `first` .. `first + tasks - 1`, `samples` per task in
-    task order}, greedy by default, as `DistillTrainer.evaluate` picks them. `first` > 0 gives a second held-out set,
-    one no checkpoint was chosen on (the runs' evaluations use the first tasks). `tagged` renders the effort tag (the
-    student's view), else only the think channel of effort keys (a teacher's). `temperature` > 0 samples each
-    episode, seeded per task and sample (the rollout's per-trajectory seeds; sample s of task i is sample number
-    i * samples + s, so one sample per task keeps the seeds of a plain evaluation), so two models are compared on
-    the same seeds. `split` "train" gives training tasks (what a teacher generates for offpolicy distillation).
+    task order} of `model` on its own engine: `rl.evaluate.held_out_episodes` (which says what the options mean).
+    `first` > 0 gives a second held-out set, one no checkpoint was chosen on; `split` "train" gives training tasks
+    (what a teacher generates for offpolicy distillation).
 
     No wall clock by default: the turn and token budgets bound every episode (and each tool call keeps its own
     timeout), and all episodes share one batched engine, so an episode's time since reset is the whole batch's and
@@ -199,10 +198,7 @@ def policy_episodes(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet,
     from openk3.rl.rollout import RolloutWorker
     from openk3.serve.engine import LLMEngine
 
-    if first < 0:
-        raise ValueError(f"first must be >= 0 (a task index), got {first}")
-    if samples < 1:
-        raise ValueError(f"samples must be >= 1 (episodes per task), got {samples}")
+    check_selection(first, samples)
     episodes = tasks * samples * len(keys)
     engine = LLMEngine(model, tokenizer, engine_config(RLConfig(out="-"), episodes))
     snapshots = TaskSnapshots(fleet, max_tasks=tasks * len(keys))
@@ -210,24 +206,14 @@ def policy_episodes(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet,
                                                              wall_clock_s=wall_clock_s),
                            snapshots=snapshots, max_tokens_per_turn=max_tokens_per_turn)  # fmt: skip
     try:
-        numbered = {key: [(i, get_family(key.domain).generate(split, i)) for i in range(first, first + tasks)]
-                    for key in keys}  # fmt: skip
-        trajs = {key: [worker.start(task, group=-1, sample=i * samples + s, thinking=key.thinking,
-                                    effort=key.effort if tagged else None)
-                       for i, task in numbered[key] for s in range(samples)] for key in keys}  # fmt: skip
-        worker.run([t for v in trajs.values() for t in v], version=0, temperature=temperature)
+        return held_out_episodes(worker, keys, tasks, tagged=tagged, first=first, samples=samples,
+                                 temperature=temperature, split=split)  # fmt: skip
     finally:
         snapshots.close()
-    return trajs
 
 
 def evaluate_policy(model, tokenizer, keys: list[TeacherKey], tasks: int, fleet, *, tagged: bool,
                     **options) -> dict:  # fmt: skip
     """Held-out success, mean response length and the episodes the wall clock cut (`wall_clock_cut`, counted as
-    failures) per key's name, over `policy_episodes` (same arguments)."""
-    from openk3.rl.loop import SUCCESS
-
-    trajs = policy_episodes(model, tokenizer, keys, tasks, fleet, tagged=tagged, **options)
-    return {str(key): {"success": sum(t.reward >= SUCCESS for t in v) / len(v),
-                       "length": sum(t.num_generated for t in v) / len(v),
-                       "wall_clock_cut": sum(t.reason == "wall_clock" for t in v)} for key, v in trajs.items()}  # fmt: skip
+    failures) per key's name, over `policy_episodes` (same arguments): `rl.evaluate.summarize`."""
+    return summarize(episode_results(policy_episodes(model, tokenizer, keys, tasks, fleet, tagged=tagged, **options)))

@@ -5,18 +5,18 @@ Per step:
        trajectories a partial-rollout cut left unfinished, generated on the serving engine (`RolloutWorker.run`);
     2. the trajectories whose whole group is done are trained on; one with tokens older than `max_off_policy_steps`
        versions is dropped (bounded staleness), the rest wait for the next step;
-    3. advantages: reward minus the group mean (GRPO); the update: one packed forward of the trainer model with the
-       rollout's routed experts (routing replay) or its own routes, the policy loss (`losses.policy_loss`) against
-       the rollout's behaviour log-probs, AdamW;
+    3. advantages: reward minus the group mean (GRPO); the update: one step of the training core (train/core.py)
+       on the packed trajectories with the rollout's routed experts (routing replay) or its own routes, the
+       registered policy loss (train/losses.py) against the rollout's behaviour log-probs, AdamW;
     4. publish: the new weights are copied into the engine in place (`LLMEngine.update_weights`, which invalidates
        its prefix cache by version) once the engine's weights would otherwise be more than `max_off_policy_steps`
        versions behind;
     5. one line in metrics.jsonl; held-out evaluation (greedy) every `eval_every` steps; atomic checkpoints.
 
-Across processes (`k3 rl --nproc N`, gloo or NCCL under torchrun): every rank is a rollout worker with its own engine
-and sandbox fleet and takes every N-th group; rank 0 gathers the trajectories (`all_gather_object`), makes the update
-on all of them (so N ranks give exactly the one-process update of the same trajectories) and broadcasts the new
-weights to every rank's engine (`weight_sync.broadcast_weights`).
+Across processes (`k3 rl --nproc N --dp D --ep E`, gloo or NCCL under torchrun): every rank is a rollout worker with
+its own engine and sandbox fleet and takes every N-th group; the finished trajectories go to every rank, each data
+rank trains its share on the policy laid out like `k3 train`'s (FSDP2, EP), and the new weights reach every engine
+gathered from the shards one tensor at a time (rl/weight_sync.py). The update equals one process's to rounding.
 
 Measured per step: reward; success per family (reward 1); response length; turns; tool calls; rollout tokens/s;
 the time shares of inference, sandboxes and training; staleness (trained version minus the version of each token);
@@ -28,9 +28,11 @@ and `logprob_gap_natural` both; one extra forward, so not every step).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import random
+import signal
 import time
 from collections import defaultdict
 
@@ -39,47 +41,63 @@ import torch
 from openk3.config import K3Config
 from openk3.data.tokenizer import load_tokenizer
 from openk3.data.xtml import require_markers
+from openk3.rl.advantages import group_advantages
 from openk3.rl.config import RLConfig
 from openk3.rl.env import Budgets, TaskSnapshots
 from openk3.rl.envs import get_family
+from openk3.rl.evaluate import SUCCESS, episode_results, held_out_episodes, summarize
 from openk3.rl.logprobs import sequence_logprobs
-from openk3.rl.losses import LossConfig, group_advantages, policy_loss
 from openk3.rl.rollout import RolloutStats, RolloutWorker, Trajectory
-from openk3.rl.sft import COPY_BATCH, CopyStream, DemoStream, fresh_policy, sft_loss
+from openk3.rl.sft import COPY_BATCH, CopyStream, DemoStream, fresh_policy
+from openk3.rl.teachers import TeacherKey
 from openk3.rl.weight_sync import Sync
 from openk3.serve.config import CheckpointPolicy, ServeConfig
 from openk3.serve.engine import LLMEngine
 from openk3.train.balance import Balancer
+from openk3.train.batch import TokenBatch, micro_batches
 from openk3.train.checkpoint import (
+    CHECKPOINTS,
     OPTIMIZER_CHANGES,
+    TRAINER_STATE,
     build_model,
     describe_changes,
     latest_checkpoint,
-    load_checkpoint,
     load_model,
-    save_checkpoint,
+    resolve_checkpoint,
 )
+from openk3.train.core import NonFiniteError, TrainCore
 from openk3.train.distributed import Layout
+from openk3.train.losses import LossConfig
 from openk3.train.optim import param_groups, stable_then_decay
-from openk3.utils import release_freed_memory
+from openk3.train.trainer import _metrics_step, _StopSignals, resolve_device
+from openk3.utils import read_json, release_freed_memory
 
-SUCCESS = 1.0  # a reward of 1 is a solved task
+WARM_SAVE_EVERY = 100  # warm-start steps between checkpoints (and one at the end of each phase)
 REFERENCE = "reference"  # the run's KL reference (the policy at the start of RL), a release-format folder
 
 
 def engine_config(cfg: RLConfig, max_seqs: int) -> ServeConfig:
     """The rollout engine: routes recorded, small hash units so each turn resumes from the previous one."""
-    return ServeConfig(max_model_len=2048, max_num_seqs=max_seqs, max_num_batched_tokens=4096,
-                       enable_prefix_caching=cfg.prefix_caching, hash_unit=8, block_size=64,
-                       checkpoint_policy=CheckpointPolicy(output_end=True), record_routed_experts=True,
-                       cache_memory_bytes=256 * 2**20)  # fmt: skip
+    return ServeConfig(max_model_len=cfg.max_model_len, max_num_seqs=max_seqs,
+                       max_num_batched_tokens=cfg.max_num_batched_tokens, enable_prefix_caching=cfg.prefix_caching,
+                       hash_unit=8, block_size=64, checkpoint_policy=CheckpointPolicy(output_end=True),
+                       record_routed_experts=True, cache_memory_bytes=cfg.cache_memory_mb * 2**20)  # fmt: skip
 
 
 class RLTrainer:
     command = "k3 rl"  # how log lines name the run
 
-    def __init__(self, cfg: RLConfig, log=print, sync: Sync | None = None, fleet=None):
-        self.cfg, self.sync = cfg, sync or Sync.single()
+    def __init__(self, cfg: RLConfig, log=print, fleet=None):
+        """The run `cfg` in this process: a world of 1, or one rank of the process group it was started in, laid
+        out by cfg.dp x cfg.ep x cfg.cp."""
+        self.cfg = cfg
+        if cfg.cp > 1:  # TODO(issue 49): context-parallel post-training (shard the packed trajectories' positions)
+            raise ValueError("--cp > 1: post-training runs data- and expert-parallel only (--dp, --ep) for now")
+        num_experts = self._described_model().text_config.num_experts
+        if num_experts % cfg.ep:
+            raise ValueError(f"--ep {cfg.ep} must divide the model's {num_experts} routed experts")
+        self.layout = Layout.of(cfg.dp, cfg.ep, cfg.cp, resolve_device(cfg.device))
+        self.sync = Sync(self.layout)
         self.log = log if self.sync.is_main else (lambda *a, **k: None)
         torch.manual_seed(cfg.seed)
         ckpt = self._checkpoint_to_resume()
@@ -92,11 +110,15 @@ class RLTrainer:
             require_markers(self.tokenizer)
         else:
             self.model, self.tokenizer = self._fresh_policy()
-        self.model.train()
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
+        if ckpt is not None:
+            self._check_model_config(ckpt)
+        self._check_sources()  # before any work starts and before anything in --out is written
+        self.model.to(self.layout.device).train()
+        self.layout.parallelize(self.model)
         # The router biases stay as they are during RL (no balancing); the Balancer only carries the checkpoint
         # format's balancing state, so `k3 generate/serve/export --ckpt RUN` read RL runs like training runs.
-        self.balancer = Balancer(self.model, "none")
+        self.core = TrainCore(self.model, self.layout, None, balancer=Balancer(self.model, "none"),
+                              grad_clip=cfg.grad_clip, precision=cfg.precision)  # fmt: skip
         # The KL reference: the policy at the start of RL (after the warm start), made at the first update and kept in
         # `out/reference` so a resumed run reads the same weights back (`_kl_reference`).
         self.reference = None
@@ -108,9 +130,13 @@ class RLTrainer:
         self.copies = CopyStream(cfg.families, self.tokenizer, cfg.seed)
         self.task_counter = 0
         self.pending: list[Trajectory] = []  # unfinished (partial rollouts) or waiting for their group
+        self.stopped_by: signal.Signals | None = None  # the signal that ended run(), if one did
+        self._signals: _StopSignals | None = None  # installed while run() runs
+        self.core.optimizer = self._optimizer(self._warm_phase_left(ckpt))
         if ckpt is not None:
             self._load_state(ckpt)
-        engine_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # Every rank's engine serves the whole policy (gathered from the laid-out one).
+        engine_model = self._policy_copy().eval().requires_grad_(False)
         max_seqs = max(self.step_episodes, self.eval_episodes)
         self.engine = LLMEngine(engine_model, self.tokenizer, engine_config(cfg, min(max_seqs, 256)))
         self.engine.weight_version = self.version
@@ -131,27 +157,66 @@ class RLTrainer:
 
     # ---- the run -----------------------------------------------------------------------------------------------
     def run(self) -> dict:
+        """The warm start (if not done), the step-0 evaluation, then RL steps up to --steps (or --stop-after more).
+        SIGINT or SIGTERM (Ctrl-C) stops at the next step boundary, warm-start steps included, with a checkpoint the
+        run resumes from (`--resume`); another one a moment later stops at once."""
+        self._signals = _StopSignals(self.log).install()
+        try:
+            return self._run()
+        finally:
+            self._signals.restore()
+            self._signals = None
+
+    def _run(self) -> dict:
         cfg = self.cfg
         if self.copy_done < cfg.copy_steps or self.sft_done < cfg.sft_steps:
             self.warm_start()
+            if self.stopped_by is not None:
+                return {}
         last: dict = {}
         if self.step == 0:
             last = self._write({"step": 0, **self.evaluate()})
         end = cfg.steps if cfg.stop_after is None else min(cfg.steps, self.step + cfg.stop_after)
-        bar = _progress(end, self.step, cfg.progress and self.sync.is_main, "rl")
+        bar = _progress(end, self.step, cfg.progress and self.sync.is_main, f"{self.command}: rl")
         try:
             while self.step < end:
                 row = self.train_step()
+                if row.get("skipped"):
+                    self.log(f"{self.command}: step {self.step}: non-finite loss or gradient (loss {row['loss']}, grad "
+                             f"norm {row['grad_norm']}); skipped ({self.core.nonfinite_run} in a row)")  # fmt: skip
                 if self.step % cfg.eval_every == 0 or self.step == end:
                     row.update(self.evaluate())
                 last = self._write(row)
                 bar.update(1)
-                bar.set_postfix(reward=f"{row['reward']:.2f}", gap=f"{row['logprob_gap']:.1e}")
-                if self.step % cfg.save_every == 0 or self.step == end:
-                    self.save()
+                bar.set_postfix(reward=f"{row.get('reward', 0.0):.2f}", gap=f"{row.get('logprob_gap', 0.0):.1e}")
+                if self.core.nonfinite_run >= cfg.max_nonfinite:
+                    path = self.save()  # the weights of the last good step: skipped steps change nothing
+                    raise NonFiniteError(f"{self.core.nonfinite_run} non-finite steps in a row (limit --max-nonfinite "
+                                         f"{cfg.max_nonfinite}); stopped at step {self.step} with the last good "
+                                         f"weights saved in {path}")  # fmt: skip
+                stopping = self._stopping()
+                if self.step % cfg.save_every == 0 or self.step == end or stopping:
+                    path = self.save()
+                if stopping:
+                    self._report_stop(path)
+                    break
         finally:
             bar.close()
         return last
+
+    def _stopping(self) -> bool:
+        """Whether a stop signal reached this process or, on several ranks, any rank (all stop at the same step)."""
+        received = self._signals.received if self._signals is not None else None
+        if self.sync.any_rank(received is not None):
+            self.stopped_by = received or signal.SIGTERM  # SIGTERM: another rank's signal
+            return True
+        return False
+
+    def _report_stop(self, path: str) -> None:
+        flags = f" --nproc {self.sync.world}" if self.sync.world > 1 else ""
+        self.log(f"{self.command}: stopped by {self.stopped_by.name} at step {self.step} (copy {self.copy_done}/"
+                 f"{self.cfg.copy_steps}, SFT {self.sft_done}/{self.cfg.sft_steps}); checkpoint saved in {path}; "
+                 f"continue with: {self.command}{flags} --out {self.cfg.out} --resume")  # fmt: skip
 
     def close(self) -> None:
         self.worker.close(self.pending)
@@ -159,45 +224,90 @@ class RLTrainer:
         if self._own_fleet:
             self.fleet.close()
 
+    def _described_model(self) -> K3Config:
+        """The model this command describes: --init's, or for a fresh policy --preset's (distillation's too)."""
+        cfg = self.cfg
+        return K3Config.from_pretrained(resolve_checkpoint(cfg.init)) if cfg.init else K3Config.preset(cfg.preset)
+
+    def _check_model_config(self, ckpt: str) -> None:
+        """A resumed run's checkpoint must hold the model this command describes."""
+        want = self._described_model()
+        source = f"--init {self.cfg.init}" if self.cfg.init else f"--preset {self.cfg.preset}"
+        have, theirs = dataclasses.asdict(self.model.text_config), dataclasses.asdict(want.text_config)
+        diff = [f"{k} {have[k]} (checkpoint) vs {theirs[k]}" for k in sorted(have) if have[k] != theirs.get(k)]
+        if diff:
+            raise ValueError(f"--resume: the checkpoint {ckpt} holds another model than {source}: "
+                             f"{'; '.join(diff[:6])}")  # fmt: skip
+
+    def _check_sources(self) -> None:
+        """Check what the run reads besides the policy (distillation: its teachers); a named error before any work."""
+
     # ---- SFT warm start ----------------------------------------------------------------------------------------
+    def _warm_phase_left(self, ckpt: str | None) -> bool:
+        """Whether the run (resumed from `ckpt`) is still in its warm start."""
+        done = read_json(os.path.join(ckpt, TRAINER_STATE)) if ckpt is not None else {}
+        return done.get("copy_done", 0) < self.cfg.copy_steps or done.get("sft_done", 0) < self.cfg.sft_steps
+
+    def _optimizer(self, warm: bool):
+        """AdamW of the warm start (no weight decay, --sft-lr) or of RL; foreach off: a fixed update order."""
+        cfg = self.cfg
+        return torch.optim.AdamW(param_groups(self.model, 0.0 if warm else cfg.weight_decay),
+                                 lr=cfg.sft_lr if warm else cfg.lr, betas=(0.9, 0.95), foreach=False)  # fmt: skip
+
+    @property
+    def optimizer(self):
+        return self.core.optimizer
+
     def warm_start(self) -> None:
         """Copy pre-training (`copy_steps`, for a fresh policy: sft.CopyStream), then SFT on demonstrations
-        (`sft_steps`), one AdamW; each phase's progress is counted, so a resumed run skips what is done."""
+        (`sft_steps`), one AdamW, the `lm` loss on the core; each phase's progress is counted, so a resumed run
+        skips what is done. RL then starts with fresh optimizer moments."""
         cfg = self.cfg
-        optimizer = torch.optim.AdamW(param_groups(self.model, 0.0), lr=cfg.sft_lr, betas=(0.9, 0.95))
         t0 = time.perf_counter()
         # Constant rate for the copy phase: the induction phase change needs the full rate (sft.py).
         self.copy_done = self._supervised("copy", self.copy_done, cfg.copy_steps, lambda: self.copies.batch(COPY_BATCH),
-                                          optimizer, lambda f: 1.0)  # fmt: skip
+                                          lambda f: 1.0)  # fmt: skip
         # Linear decay to a tenth: the last steps settle the policy RL starts from.
-        self.sft_done = self._supervised("sft", self.sft_done, cfg.sft_steps,
-                                         lambda: self.demos.batch(cfg.sft_batch_size), optimizer, lambda f: 1 - 0.9 * f)  # fmt: skip
+        if self.stopped_by is None:
+            self.sft_done = self._supervised("sft", self.sft_done, cfg.sft_steps,
+                                             lambda: self.demos.batch(cfg.sft_batch_size), lambda f: 1 - 0.9 * f)  # fmt: skip
+        if self.stopped_by is not None:
+            return
+        self.core.optimizer = self._optimizer(warm=False)
         release_freed_memory()
         self._publish(force=True)
         self.log(f"{self.command}: warm start: {cfg.copy_steps} copy + {cfg.sft_steps} SFT steps in "
                  f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
 
-    def _supervised(self, phase: str, done: int, total: int, batch, optimizer, schedule) -> int:
-        """Steps of `phase` ("copy" or "sft") from `done` up to `total`: cross-entropy on each batch's masked tokens,
-        the rate `sft_lr * schedule(done / total)`; a line in sft.jsonl every 20 steps and at the end. Returns the
-        steps done."""
+    def _supervised(self, phase: str, done: int, total: int, batch, schedule) -> int:
+        """Steps of `phase` ("copy" or "sft") from `done` up to `total`: cross-entropy on each batch's masked tokens
+        (every rank draws the same batch and trains on its share of its examples), the rate
+        `sft_lr * schedule(done / total)`; a line in sft.jsonl every 20 steps and at the end. Returns the steps
+        done."""
         cfg = self.cfg
-        bar = _progress(total, done, cfg.progress and self.sync.is_main, phase)
+        bar = _progress(total, done, cfg.progress and self.sync.is_main, f"{self.command}: {phase}")
         t0 = time.perf_counter()
         while done < total:
-            for group in optimizer.param_groups:
-                group["lr"] = cfg.sft_lr * schedule(done / total)
-            loss, n = sft_loss(self.model, batch())
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.sync.average_gradients(self.model)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-            optimizer.step()
+            examples = batch()
+            lo, hi = self.sync.share(len(examples))
+            mine = examples[lo:hi]
+            mbs = [TokenBatch.from_sequences([ids for ids, _ in mine], [mask for _, mask in mine])] if mine else []
+            mbs += [TokenBatch.padding_batch()] * (self.sync.max_over_ranks(len(mbs)) - len(mbs))
+            out = self.core.step(mbs, "lm", cfg.sft_lr * schedule(done / total))
+            n = sum(sum(mask[1:]) for _, mask in examples)
             done += 1
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.set_postfix(loss=f"{out['loss']:.3f}")
+            setattr(self, f"{phase}_done", done)
+            stopping = self._stopping()
+            if done % WARM_SAVE_EVERY == 0 or done == total or stopping:  # a stopped warm start resumes in its phase
+                path = self.save()
+            if stopping:
+                bar.close()
+                self._report_stop(path)
+                return done
             if done % 20 == 0 or done == total:
-                self._write({f"{phase}_step": done, f"{phase}_loss": loss.item(), f"{phase}_tokens": n,
+                self._write({f"{phase}_step": done, f"{phase}_loss": out["loss"], f"{phase}_tokens": n,
                              "elapsed_s": time.perf_counter() - t0}, metrics_file="sft.jsonl")  # fmt: skip
         bar.close()
         return done
@@ -218,7 +328,8 @@ class RLTrainer:
     def train_step(self) -> dict:
         cfg = self.cfg
         t_step = time.perf_counter()
-        lr = self._set_rate()
+        lr = self.rate(self.step)
+        self.core.set_lr(lr)  # also when no trajectory is ready to train on
         trajs = self.pending + self._new_trajectories()
         stats = self.worker.run([t for t in trajs if not t.done], self.version, cfg.partial_rollout_fraction)
         t_rollout = time.perf_counter() - t_step
@@ -227,7 +338,7 @@ class RLTrainer:
         ready, waiting, dropped = self._ready_groups(gathered)
         self.pending += [t for t in waiting if self.sync.is_local(t)]
         t0 = time.perf_counter()
-        row = self.update(ready) if self.sync.is_main else {}
+        row = self.update(ready)
         t_train = time.perf_counter() - t0
         self.step += 1
         self.version += 1
@@ -245,12 +356,6 @@ class RLTrainer:
         --lr-min-ratio of it."""
         cfg = self.cfg
         return stable_then_decay(step, cfg.lr, cfg.lr * cfg.lr_min_ratio, cfg.steps, cfg.lr_decay_steps)
-
-    def _set_rate(self) -> float:
-        lr = self.rate(self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)
-        return lr
 
     def _ready_groups(self, finished: list[Trajectory]):
         """(trainable, waiting, dropped): a group trains once all its samples are done; too stale ones are dropped."""
@@ -271,67 +376,56 @@ class RLTrainer:
         return ready, waiting, dropped
 
     def update(self, trajs: list[Trajectory]) -> dict:
-        """One optimizer step on `trajs` (complete groups); returns the loss metrics.
+        """One optimizer step on `trajs` (complete groups, the same list on every rank); returns the loss metrics.
 
-        The forward/backward runs in micro-batches of whole trajectories, `micro_batch_tokens` each, with the loss
-        divided by the whole batch's totals (`policy_loss(normalizers=...)`), so the accumulated gradient is the
-        one-forward gradient while peak memory stays bounded by the micro-batch.
+        Each data-parallel rank trains on its share of the trajectories, in micro-batches of whole trajectories,
+        `micro_batch_tokens` each (every rank runs as many micro-batches as the busiest, padding the rest), with the
+        loss divided by the whole step's totals: the accumulated, all-reduced gradient is the one-forward gradient
+        while peak memory stays bounded by the micro-batch.
         """
         cfg = self.cfg
         # A trajectory that never generated (an engine error before its first token) has nothing to train on.
         trajs = [t for t in trajs if t.num_generated and t.routed_experts is not None]
         if not trajs:
             return {"loss": 0.0, "trained_sequences": 0}
-        # Per token t >= 1 of each sequence (logps[i][t-1] scores token t).
-        mask_T = torch.tensor([g for t in trajs for g in t.generated[1:]], dtype=torch.bool)
-        rollout_T = torch.tensor([lp for t in trajs for lp in t.logprobs[1:]], dtype=torch.float32)
-        version_T = torch.tensor([v for t in trajs for v in t.versions[1:]])
-        seq_T = torch.cat([torch.full((len(t.tokens) - 1,), i) for i, t in enumerate(trajs)])
-        adv_T, adv_metrics = self.token_advantages(trajs, seq_T, mask_T)
-        normalizers = (int(mask_T.sum()), sum(any(t.generated[1:]) for t in trajs))
-        offsets = [0]  # trajectory i's tokens are [offsets[i], offsets[i + 1]) of the packed tensors
-        for t in trajs:
-            offsets.append(offsets[-1] + len(t.tokens) - 1)
-        self.optimizer.zero_grad(set_to_none=True)
-        logps, others, refs = [], [], []
+        fields, adv_metrics = self.token_fields(trajs)
+        lo, hi = self.sync.share(len(trajs))  # this rank's trajectories
+        mine = trajs[lo:hi]
+        chunks = micro_batches([len(t.tokens) for t in mine], cfg.micro_batch_tokens)
         check_other = cfg.gap_check_every > 0 and self.step % cfg.gap_check_every == 0  # steps 1, 1 + N, ...
-        chunks = micro_batches([len(t.tokens) for t in trajs], cfg.micro_batch_tokens)
+        reference = self._kl_reference() if cfg.kl_coef > 0 else None  # every rank: its first build gathers
+        batches, others = [], []
         for chunk in chunks:
-            batch = [trajs[i] for i in chunk]
-            lo, hi = offsets[chunk[0]], offsets[chunk[-1] + 1]  # chunks are consecutive runs of trajectories
+            batch = [mine[i] for i in chunk]
             seqs = [t.tokens for t in batch]
             routes = [t.routed_experts for t in batch] if cfg.routing_replay else None
-            logp_T = torch.cat(sequence_logprobs(self.model, seqs, routes))
-            ref_T = None
+            per_traj = {name: [values[lo + i] for i in chunk] for name, values in fields.items()}
+            per_traj["behaviour_logp_T"] = [torch.tensor(t.logprobs[1:], dtype=torch.float32) for t in batch]
+            per_traj.update(self.batch_fields(batch))
             if cfg.kl_coef > 0:
                 with torch.no_grad():
-                    ref_T = torch.cat(sequence_logprobs(self._kl_reference(), seqs, routes))
-                refs.append(ref_T)
-            loss, _ = policy_loss(logp_T, logp_T.detach(), adv_T[lo:hi], mask_T[lo:hi], seq_T[lo:hi] - chunk[0],
-                                  self.loss_config, rollout_logp_T=rollout_T[lo:hi], ref_logp_T=ref_T,
-                                  normalizers=normalizers)  # fmt: skip
-            loss.backward()
+                    per_traj["reference_logp_T"] = sequence_logprobs(reference, seqs, routes)
+            batches.append(TokenBatch.from_sequences(seqs, [t.generated for t in batch], fields=per_traj,
+                                                     routes=routes))  # fmt: skip
             if check_other:  # the gap the other way, for the report, on the pre-update weights (the engine's copy)
                 with torch.no_grad():
                     other = None if cfg.routing_replay else [t.routed_experts for t in batch]
                     others.append(torch.cat(sequence_logprobs(self.engine.model, seqs, other)))
-            logps.append(logp_T.detach())
-            del logp_T, loss
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        if torch.isfinite(grad_norm):
-            self.optimizer.step()
-        old_T = torch.cat(logps)
-        # The metrics (loss, clip and IcePop fractions, ...) over the whole batch at once, from the detached values.
-        _, metrics = policy_loss(old_T, old_T, adv_T, mask_T, seq_T, self.loss_config, rollout_logp_T=rollout_T,
-                                 ref_logp_T=torch.cat(refs) if refs else None)  # fmt: skip
+        batches += [TokenBatch.padding_batch()] * (self.sync.max_over_ranks(len(batches)) - len(batches))
+        row = self.core.step(batches, self.loss_name, self.rate(self.step), self.loss_config)
+        # Per token t >= 1 of each sequence, over every rank's trajectories in order (logps[i][t-1] scores token t).
+        old_T, other_T = self.sync.gather_tensors([self.core.last_logp_T, torch.cat(others) if others else None])
+        mask_T = torch.tensor([g for t in trajs for g in t.generated[1:]], dtype=torch.bool)
+        rollout_T = torch.tensor([lp for t in trajs for lp in t.logprobs[1:]], dtype=torch.float32)
+        version_T = torch.tensor([v for t in trajs for v in t.versions[1:]])
+        adv_T = torch.cat(fields["advantages_T"])
         # The gap on this version's tokens only: older segments differ by the update, not by arithmetic.
         current = mask_T & (version_T == self.version)
         ours, theirs = ("replay", "natural") if cfg.routing_replay else ("natural", "replay")
-        gaps = {ours: _gap(old_T, rollout_T, current), theirs: _gap(torch.cat(others), rollout_T, current) if others
+        gaps = {ours: _gap(old_T, rollout_T, current), theirs: _gap(other_T, rollout_T, current) if check_other
                 else None}  # fmt: skip
         staleness = (self.version - version_T[mask_T]).float()
-        return {**metrics, "grad_norm": float(grad_norm), "trained_sequences": len(trajs),
-                "micro_batches": len(chunks),
+        return {**row, "trained_sequences": len(trajs), "micro_batches": len(chunks),
                 "logprob_gap": gaps[ours], "logprob_gap_replay": gaps["replay"], "logprob_gap_natural": gaps["natural"],
                 "logprob_gap_max": float((old_T - rollout_T)[current].abs().max()) if current.any() else 0.0,
                 "staleness": float(staleness.mean()) if staleness.numel() else 0.0,
@@ -350,15 +444,27 @@ class RLTrainer:
                 if self.step > 0:
                     raise FileNotFoundError(f"{path} is missing: the KL reference of a run past step 0 (the policy "
                                             f"at its RL start) cannot be rebuilt; start a new run for --kl-coef")  # fmt: skip
-                self.reference = copy.deepcopy(self.model)
-                for param in self.reference.parameters():
-                    param.grad = None
+                self.reference = self._policy_copy()
                 if self.sync.is_main:
                     tmp = path + ".tmp"
                     self.reference.save_pretrained(tmp)
                     os.replace(tmp, path)
             self.reference.eval().requires_grad_(False)
         return self.reference
+
+    def _policy_copy(self):
+        """A whole, plain copy of the (laid-out) policy on this rank, without gradients."""
+        if self.sync.world == 1:
+            copied = copy.deepcopy(self.model)
+            for param in copied.parameters():
+                param.grad = None
+            return copied
+        copied = build_model(self.model.config, self.layout.device)
+        target = copied.state_dict()
+        with torch.no_grad():
+            for name, full in self.sync.full_tensors(self.model):
+                target[name].copy_(full)
+        return copied
 
     @property
     def step_episodes(self) -> int:
@@ -370,13 +476,22 @@ class RLTrainer:
         """Episodes of one held-out evaluation (all in flight at once: the engine and the fleet are sized for it)."""
         return self.cfg.eval_tasks * len(self.cfg.families)
 
-    def token_advantages(self, trajs: list[Trajectory], seq_T: torch.Tensor, mask_T: torch.Tensor):
-        """(advantage per packed token, metrics): GRPO's group advantage of each trajectory's reward, on all its
-        tokens (the loss reads the mask tokens only). Distillation adds its per-token rewards here (rl/distill.py)."""
+    @property
+    def loss_name(self) -> str:
+        """The registered loss the update trains with (train/losses.py)."""
+        return self.cfg.loss
+
+    def token_fields(self, trajs: list[Trajectory]) -> tuple[dict[str, list[torch.Tensor]], dict]:
+        """(per-token fields per trajectory, metrics): GRPO's group advantage of each trajectory's reward, on all its
+        positions (the loss reads the mask positions only). Distillation adds its teacher fields (rl/distill.py)."""
         rewards_S = torch.tensor([t.reward for t in trajs])
         groups_S = torch.tensor([t.group for t in trajs])
         adv_S = group_advantages(rewards_S, groups_S, normalize_std=self.cfg.normalize_std)
-        return adv_S[seq_T], {}
+        return {"advantages_T": [adv_S[i].expand(len(t.tokens) - 1) for i, t in enumerate(trajs)]}, {}
+
+    def batch_fields(self, batch: list[Trajectory]) -> dict[str, list[torch.Tensor]]:
+        """More per-token fields of one micro-batch's trajectories, scored with it (distillation's top-k target)."""
+        return {}
 
     def _fresh_policy(self):
         """(model, tokenizer) of a run without --init: a fresh `preset` model and a tokenizer trained for the tasks."""
@@ -415,27 +530,23 @@ class RLTrainer:
         }
 
     # ---- evaluation --------------------------------------------------------------------------------------------
-    def held_out_episodes(self) -> list[Trajectory]:
-        """This rank's share of the held-out evaluation, run: greedy episodes on the test split's first `eval_tasks`
-        tasks per family (the same tasks every time)."""
-        cfg = self.cfg
-        trajs = []
-        for name in cfg.families:
-            family = get_family(name)
-            for i in range(self.sync.rank, cfg.eval_tasks, self.sync.world):
-                trajs.append(self.worker.start(family.generate("test", i), group=-1, sample=i))
-        self.worker.run(trajs, self.version, temperature=0.0)
-        return trajs
+    @property
+    def eval_keys(self) -> list[TeacherKey]:
+        """What the held-out evaluation scores separately: each task family."""
+        return [TeacherKey(name, None) for name in self.cfg.families]
 
-    def evaluate(self, episodes: list[Trajectory] | None = None) -> dict:
-        """Held-out success per family, over `episodes` (ones `held_out_episodes` ran, for a caller that also reads
+    def held_out_episodes(self) -> dict:
+        """{key: this rank's share of the held-out evaluation, run}: greedy episodes on the test split's first
+        `eval_tasks` tasks per key (the same tasks every time)."""
+        return held_out_episodes(self.worker, self.eval_keys, self.cfg.eval_tasks, version=self.version,
+                                 rank=self.sync.rank, world=self.sync.world)  # fmt: skip
+
+    def evaluate(self, episodes: dict | None = None) -> dict:
+        """Held-out success per key, over `episodes` (ones `held_out_episodes` ran, for a caller that also reads
         them: the RL benchmark) or a fresh run of them."""
         trajs = self.held_out_episodes() if episodes is None else episodes
-        results = self.sync.gather_results([(t.task.family, t.reward) for t in trajs])
-        by_family = defaultdict(list)
-        for family, reward in results:
-            by_family[family].append(float(reward >= SUCCESS))
-        return {"eval_success": {f: sum(v) / len(v) for f, v in sorted(by_family.items())}}
+        summary = summarize(self.sync.gather_results(episode_results(trajs)))
+        return {"eval_success": {k: v["success"] for k, v in sorted(summary.items())}}
 
     # ---- files -------------------------------------------------------------------------------------------------
     def _write(self, row: dict, metrics_file: str = "metrics.jsonl") -> dict:
@@ -448,17 +559,13 @@ class RLTrainer:
                 self.log(f"{self.command}: step {row.get('step', 0)}: held-out success {shown}")
         return row
 
-    def save(self) -> str | None:
-        """An atomic checkpoint (the training format: weights, AdamW moments, RNG, the loop's counters), written by
-        rank 0 alone: it holds the trained weights, which every rank's copy equals."""
-        if not self.sync.is_main:
-            return None
+    def save(self) -> str:
+        """An atomic checkpoint in the training format (weights, optimizer moments, RNG, the loop's counters) at this
+        layout: every rank writes its shards; it resumes at any layout and `k3 export` reads it."""
         state = {"version": self.version, "sft_done": self.sft_done, "copy_done": self.copy_done,
                  "task_counter": self.task_counter, "demos": self.demos.state_dict(),
-                 "copies": self.copies.state_dict(), "nonfinite_total": 0, "tokens_seen": 0,
-                 **self._extra_state()}  # fmt: skip
-        return save_checkpoint(self.cfg.out, self.step, self.model, self.optimizer, self.balancer.state_dict(), state,
-                               tokenizer=self.tokenizer, keep=self.cfg.keep_checkpoints, layout=Layout.single())  # fmt: skip
+                 "copies": self.copies.state_dict(), **self._extra_state()}  # fmt: skip
+        return self.core.save(self.cfg.out, self.step, state, tokenizer=self.tokenizer, keep=self.cfg.keep_checkpoints)
 
     def _extra_state(self) -> dict:
         """More loop state for the checkpoint (a subclass's); JSON-able."""
@@ -469,7 +576,7 @@ class RLTrainer:
 
     def _checkpoint_to_resume(self) -> str | None:
         cfg = self.cfg
-        has_run = os.path.exists(os.path.join(cfg.out, "metrics.jsonl"))
+        has_run = any(os.path.exists(os.path.join(cfg.out, name)) for name in ("metrics.jsonl", "sft.jsonl", CHECKPOINTS))
         if not cfg.resume:
             if has_run:
                 raise FileExistsError(f"{cfg.out} already holds an RL run: pass --resume to continue it, or another "
@@ -482,7 +589,7 @@ class RLTrainer:
         return ckpt
 
     def _load_state(self, ckpt: str) -> None:
-        state = load_checkpoint(ckpt, self.model, self.optimizer, self.balancer, Layout.single())
+        state = self.core.load(ckpt)
         # The command's --lr / --weight-decay win; a decaying rate is set every step, so its change is no news.
         changed = describe_changes(state[OPTIMIZER_CHANGES], skip=("lr",) if self.cfg.lr_decay_steps else ())
         if changed:
@@ -506,32 +613,22 @@ def _task_index(seed: int, group: int) -> int:
     return random.Random(seed * 1_000_003 + group).randrange(2**31)
 
 
-def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive index runs of `lengths` whose sums stay within `max_tokens` (a longer sequence is alone)."""
-    out: list[list[int]] = []
-    total = 0
-    for i, n in enumerate(lengths):
-        if not out or total + n > max_tokens:
-            out.append([])
-            total = 0
-        out[-1].append(i)
-        total += n
-    return out
-
-
 def _gap(a_T: torch.Tensor, b_T: torch.Tensor, mask_T: torch.Tensor) -> float:
     """Mean |a - b| over the masked tokens (0 when none)."""
     return float((a_T - b_T)[mask_T].abs().mean()) if mask_T.any() else 0.0
 
 
 def _truncate_metrics(path: str, step: int) -> None:
-    """Drop metric lines past `step` (a resumed run repeats them)."""
+    """Drop metric lines past `step` (a resumed run repeats them) and a line a kill cut short; the file is replaced
+    atomically."""
     if not os.path.exists(path):
         return
     with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if json.loads(line).get("step", 0) <= step]
-    with open(path, "w", encoding="utf-8") as f:
+        lines = [line for line in f if line.endswith("\n") and _metrics_step(line) <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(lines)
+    os.replace(tmp, path)
 
 
 def _progress(total: int, initial: int, enabled: bool, desc: str):

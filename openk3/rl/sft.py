@@ -23,8 +23,6 @@ text, each followed by itself, with the loss on the copy; the SFT steps then onl
 of the right form, given without looking), so the warm-started policy calls its tools only part of the time, as a
 cold start from mixed data does; RL then has two behaviours to choose between by their rewards. The share is off
 (0) by default.
-
-Legend: T packed tokens.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ from openk3.config import K3Config
 from openk3.data.tokenizer import train_bpe
 from openk3.data.xtml import render_xtml
 from openk3.rl.envs import Task, get_family, initial_messages
-from openk3.rl.logprobs import sequence_logprobs
 from openk3.rl.transcript import episode_ids
 
 TOKENIZER_EPISODES = 600  # demonstrations per family the tokenizer is trained on
@@ -145,12 +142,3 @@ class DemoStream(_SeededStream):
             guess = self.guess_share > 0 and self.rng.random() < self.guess_share
             out.append(demonstration_ids(task, self.tokenizer, self.rng if guess else None))
         return out
-
-
-def sft_loss(model, batch: list[tuple[list[int], list[bool]]]) -> tuple[torch.Tensor, int]:
-    """Mean cross-entropy over the batch's assistant tokens (one packed forward), and their count."""
-    logps = sequence_logprobs(model, [ids for ids, _ in batch])
-    mask_T = torch.tensor([m for _, mask in batch for m in mask[1:]], dtype=torch.bool)
-    logp_T = torch.cat(logps)
-    n = int(mask_T.sum())
-    return -(logp_T * mask_T).sum() / max(n, 1), n

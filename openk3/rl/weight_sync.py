@@ -1,13 +1,18 @@
-"""Trainer <-> rollout workers: publishing weights into engines, gathering trajectories, across processes or not.
+"""Trainer <-> rollout workers across processes: gathering trajectories, sharing the update, publishing weights.
 
-One process: `Sync.single()`; publishing copies the trainer's tensors into the engine's model in place
-(`LLMEngine.update_weights`, which bumps the engine's version and invalidates its prefix cache).
+One process is a world of 1 (`Sync(Layout.single())`): nothing is sent, and publishing copies the trainer's
+tensors into the engine's model in place (`LLMEngine.update_weights`, which bumps the engine's version and
+invalidates its prefix cache).
 
-N processes (a torch.distributed group, gloo on CPU): every rank runs rollouts with its own engine; rank 0 alone
-trains. Trajectories and per-rank statistics go to rank 0 with `all_gather_object` (in rank order, so the update's
-batch is the same every run); the new weights go from rank 0 to every rank with one `broadcast` per tensor, into a
-buffer copy of the model's state that each rank then loads into its engine. Every rank's engine therefore serves
-exactly rank 0's weights (tested bitwise).
+N processes (a torch.distributed group, gloo on CPU, NCCL on CUDA), laid out dp x ep like `k3 train`: every rank
+runs rollouts with its own engine (a whole copy of the policy) and trains on its share of the step's trajectories
+with the sharded policy. Finished trajectories and per-rank statistics go to every rank with `all_gather_object` (in
+rank order, so every rank forms the same batch and the same advantages); rank r trains on `share(n)`. The new
+weights reach every engine from the sharded parameters one tensor at a time (an FSDP2 shard gathered with
+`full_tensor`, EP experts with an all-gather over the ep group) and are copied into the engine's tensor before the
+next is gathered: no rank holds the whole model beyond its engine's copy.
+
+Legend: T packed positions.
 """
 
 from __future__ import annotations
@@ -16,21 +21,20 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from openk3.rl.rollout import RolloutStats, Trajectory
+from openk3.train.distributed import Layout
 
 
 class Sync:
-    def __init__(self, rank: int = 0, world: int = 1, group=None):
-        self.rank, self.world, self.group = rank, world, group
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.rank, self.world = layout.rank, layout.world
 
     @classmethod
     def single(cls) -> Sync:
-        return cls()
-
-    @classmethod
-    def from_process_group(cls, group=None) -> Sync:
-        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+        return cls(Layout.single())
 
     @property
     def is_main(self) -> bool:
@@ -40,11 +44,27 @@ class Sync:
         """Whether this rank owns `traj` (its group's rollouts run here)."""
         return traj.group % self.world == self.rank
 
+    def share(self, n: int) -> tuple[int, int]:
+        """[lo, hi): this rank's consecutive share of n items (sizes differ by at most one)."""
+        r, w = self.layout.data_rank, self.layout.dims.data_ranks
+        return r * n // w, (r + 1) * n // w
+
+    def max_over_ranks(self, n: int) -> int:
+        if self.world == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank (one tiny all-reduce)."""
+        return self.max_over_ranks(int(flag)) > 0
+
     def _gather(self, obj) -> list:
         if self.world == 1:
             return [obj]
         out = [None] * self.world
-        dist.all_gather_object(out, obj, group=self.group)
+        dist.all_gather_object(out, obj)
         return out
 
     def gather_trajectories(self, trajs: list[Trajectory]) -> list[Trajectory]:
@@ -53,6 +73,13 @@ class Sync:
             return trajs
         sendable = [dataclasses.replace(t, env=None) for t in trajs]
         return [t for part in self._gather(sendable) for t in part]
+
+    def gather_tensors(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Each of this rank's per-token `tensors` concatenated over the ranks in rank order (None stays None)."""
+        if self.world == 1:
+            return tensors
+        parts = self._gather([None if t is None else t.detach().cpu() for t in tensors])
+        return [None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(len(tensors))]
 
     def gather_stats(self, stats: RolloutStats) -> RolloutStats:
         """The ranks' rollout statistics: counts summed, times of the slowest rank (they ran side by side)."""
@@ -69,26 +96,27 @@ class Sync:
     def gather_results(self, results: list) -> list:
         return [r for part in self._gather(results) for r in part]
 
-    def average_gradients(self, model: torch.nn.Module) -> None:
-        """Data-parallel SFT: every rank's gradient replaced by the mean over ranks."""
-        if self.world == 1:
-            return
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.group)
-                p.grad /= self.world
+    def full_tensors(self, model: torch.nn.Module):
+        """(name, whole tensor) of the laid-out `model`'s state, one at a time; every rank must iterate all of it."""
+        ep_group = self.layout.mesh["ep"].get_group() if self.layout.dims.ep > 1 else None
+        for name, t in model.state_dict().items():
+            if isinstance(t, DTensor):
+                yield name, t.full_tensor()
+            elif ep_group is not None and ".experts.w" in name:
+                parts = [torch.empty_like(t) for _ in range(self.layout.dims.ep)]
+                dist.all_gather(parts, t.detach().contiguous(), group=ep_group)
+                yield name, torch.cat(parts)
+            else:
+                yield name, t.detach()
 
+    @torch.no_grad()
     def publish(self, model: torch.nn.Module, engine, version: int) -> None:
-        """Rank 0's `model` weights into every rank's `engine`, tagged `version`."""
-        state = {name: t.detach() for name, t in model.state_dict().items()}
-        if self.world > 1:
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            for name in sorted(state):
-                buf = state[name].clone() if self.is_main else torch.empty_like(state[name])
-                dist.broadcast(buf, src=src, group=self.group)
-                state[name] = buf
-            if not self.is_main:  # the trainer copies stay equal too (SFT steps and the next update read them)
-                with torch.no_grad():
-                    for name, t in model.state_dict().items():
-                        t.copy_(state[name])
-        engine.update_weights(state, version)
+        """The trainer's `model` (laid out) into this rank's `engine`, tagged `version`."""
+        if self.world == 1:
+            engine.update_weights({name: t.detach() for name, t in model.state_dict().items()}, version)
+            return
+        target = engine.model.state_dict()
+        for name, full in self.full_tensors(model):
+            target[name].copy_(full)
+            del full
+        engine.update_weights(target, version)

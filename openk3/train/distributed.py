@@ -30,6 +30,9 @@ from torch.distributed.tensor import DTensor
 from openk3.model.batch import ForwardBatch
 from openk3.parallel.dims import ParallelDims
 from openk3.parallel.parallelize import expert_parameters, parallelize, sync_expert_grads
+from openk3.parallel.watchdog import bound_subgroup_timeouts, collective_watchdog  # re-exported: rl launches too
+
+__all__ = ["Layout", "bound_subgroup_timeouts", "collective_watchdog"]
 
 
 class Layout:
@@ -50,6 +53,12 @@ class Layout:
             self.cp = ContextParallel(self.mesh["cp"].get_group())
         coords = self.mesh.get_coordinate() if self.mesh is not None else (0, 0, 0)
         self.data_rank = coords[0] * dims.ep + coords[1]  # which share of the rows this rank takes
+
+    @classmethod
+    def of(cls, dp: int | None, ep: int, cp: int, device: str | torch.device) -> Layout:
+        """dp x ep x cp over this process group (a world of 1 without one); dp None: the ranks ep and cp leave."""
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        return cls(ParallelDims(dp if dp is not None else max(world // (ep * cp), 1), ep, cp), device)
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> Layout:

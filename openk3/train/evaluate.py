@@ -15,7 +15,7 @@ import torch
 from openk3.data.synthetic import answer_accuracy
 from openk3.model.batch import ForwardBatch
 from openk3.train.data import mqar_batch, needle_batch
-from openk3.train.loss import lm_loss_sum
+from openk3.train.losses import lm_loss_sum
 
 EVAL_ROWS = 8
 

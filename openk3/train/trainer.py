@@ -30,38 +30,28 @@ import os
 import signal
 import threading
 import time
-from contextlib import nullcontext
 
 import torch
 
 from openk3.config import K3Config
+from openk3.data.packing import IGNORE_INDEX
 from openk3.parallel.ac import apply_activation_checkpointing
 from openk3.parallel.dims import ParallelDims
 from openk3.train.balance import Balancer
-from openk3.train.checkpoint import (
-    FIRST_SAVE_STEP,
-    OPTIMIZER_CHANGES,
-    build_model,
-    describe_changes,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from openk3.train.batch import TokenBatch
+from openk3.train.checkpoint import FIRST_SAVE_STEP, OPTIMIZER_CHANGES, build_model, describe_changes, latest_checkpoint
 from openk3.train.config import TrainConfig
+from openk3.train.core import NonFiniteError, TrainCore
 from openk3.train.data import RunData
 from openk3.train.distributed import Layout
 from openk3.train.evaluate import evaluate
-from openk3.train.loss import lm_loss_sum
+from openk3.train.losses import Normalizers
 from openk3.train.metrics import random_routing_maxvio_floor, tower_grad_norm
 from openk3.train.optim import build_optimizer, lr_at
 from openk3.train.throughput import matmul_gflops
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_GRACE_S = 2.0  # a stop signal repeated within this many seconds is the same request (see _StopSignals)
-
-
-class NonFiniteError(RuntimeError):
-    """Raised when `max_nonfinite` steps in a row had a non-finite loss or gradient."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -100,12 +90,13 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg)
         self.balancer = Balancer(self.model, cfg.balance, num_bins=cfg.balance_bins, process_group=self.layout.data_group,
                                  exact_thresholds=cfg.balance_exact_thresholds, ema=cfg.balance_ema)  # fmt: skip
-        self.step, self.nonfinite_total, self.nonfinite_run, self.tokens_seen = 0, 0, 0, 0
+        self.core = TrainCore(self.model, self.layout, self.optimizer, balancer=self.balancer, grad_clip=cfg.grad_clip,
+                              precision=cfg.precision)  # fmt: skip
+        self.step = 0
         self.stopped_by: signal.Signals | None = None  # the signal that ended the last run(), if one did
         if ckpt is not None:  # weights, moments, balancing state and RNG, resharded to this layout
-            state = load_checkpoint(ckpt, self.model, self.optimizer, self.balancer, self.layout)
+            state = self.core.load(ckpt)
             self.step = state["step"]
-            self.nonfinite_total, self.tokens_seen = state["nonfinite_total"], state["tokens_seen"]
             self.data.load_state_dict(state["data"])
             log(f"resumed {self.run_dir} at step {self.step} from {ckpt}")
             changed = describe_changes(state[OPTIMIZER_CHANGES], skip=("lr",))  # the schedule sets lr every step
@@ -148,23 +139,17 @@ class Trainer:
         return ckpt
 
     # ---- one optimizer step ----------------------------------------------------------------------------------
-    def _autocast(self):
-        cfg = self.cfg
-        use_bf16 = cfg.precision == "bf16" or (
-            cfg.precision == "auto" and self.device.type == "cuda" and torch.cuda.is_bf16_supported()
-        )
-        return torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-
-    def _micro_batch_loss(self, b, n_labels: int) -> tuple[torch.Tensor, float]:
-        """(summed cross-entropy of micro-batch `b` / the step's label count, the factor on it before backward)."""
+    def _micro_batch(self, b) -> TokenBatch:
+        """This process's share of micro-batch `b` as the core trains on it."""
         if self.cfg.vision:  # one process (TrainConfig.validate); labels are shifted already
             ids, labels = b.padded(self.model.text_config.pad_token_id)  # faster than packed here (vision_data.py)
-            logits = self.model(ids.to(self.device), pixel_values=b.pixel_values.to(self.device),
-                                grid_thws=b.grid_thws).logits  # fmt: skip
-            return lm_loss_sum(logits.flatten(0, 1), labels.to(self.device).flatten()) / max(n_labels, 1), 1.0
-        fb, labels, scale = self.layout.local_batch(b)
-        logits = self.model.forward_batch(fb)
-        return lm_loss_sum(logits, labels.reshape(-1)) / max(n_labels, 1), scale
+            labels_T = labels.flatten()
+            inputs = {"input_ids": ids.to(self.device), "pixel_values": b.pixel_values.to(self.device),
+                      "grid_thws": b.grid_thws}  # fmt: skip
+            return TokenBatch(labels_T, labels_T != IGNORE_INDEX, [labels_T.numel()], model_inputs=inputs)
+        fb, labels, _ = self.layout.local_batch(b)
+        labels_T = labels.reshape(-1)
+        return TokenBatch(labels_T, labels_T != IGNORE_INDEX, fb.seq_lens, prebuilt=fb)
 
     def train_step(self) -> dict:
         cfg, step = self.cfg, self.step
@@ -172,50 +157,41 @@ class Trainer:
         rows = cfg.batch_size if cfg.vision else cfg.tokens_per_step // seq_len
         micro_rows = rows // cfg.accum_steps
         lr = lr_at(step, cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)  # lr_scale: --vision-lr (optim.param_groups)
         start = time.perf_counter()
         batches = [self.data.next_train_batch(micro_rows, seq_len) for _ in range(cfg.accum_steps)]
-        n_labels = sum(b.num_loss_tokens() for b in batches)
-        # The loss is summed on the device in fp64 (each micro-batch's fp32 value exactly, in order) and read once
-        # per step together with the gradient norm: one host sync per step, none per micro-batch.
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for b in batches:
-            with self.balancer.collecting(), self._autocast():
-                loss, scale = self._micro_batch_loss(b, n_labels)
-            (loss * scale).backward()
-            total += loss.detach().double()
-        self.layout.sum_over_ranks(total)
-        tower_norm = tower_grad_norm(self.model) if cfg.vision else None  # before clipping, as grad_norm is
-        norm = self.layout.clip_gradients(self.model, cfg.grad_clip)
-        total, grad_norm = torch.stack([total, norm.to(torch.float64)]).tolist()
-        finite = math.isfinite(total) and math.isfinite(grad_norm)
-        row = {"step": step + 1, "loss": total, "lr": lr, "seq_len": seq_len, "grad_norm": grad_norm}
-        if tower_norm is not None:
-            row.update(grad_norm_tower=float(tower_norm))
-        if finite:
-            bal = self.balancer.step()
-            self.optimizer.step()
-            self.nonfinite_run = 0
+        # Every rank draws the same global batches, so the label count needs no communication.
+        norm = Normalizers(tokens=sum(b.num_loss_tokens() for b in batches), sequences=0)
+        # The tower's gradient norm is measured before clipping, as grad_norm is.
+        out = self.core.step([self._micro_batch(b) for b in batches], "lm", lr, norm=norm, balance=True,
+                             probe=tower_grad_norm if cfg.vision else None)  # fmt: skip
+        row = {"step": step + 1, "loss": out["loss"], "lr": lr, "seq_len": seq_len, "grad_norm": out["grad_norm"]}
+        if "probe" in out:
+            row.update(grad_norm_tower=float(out["probe"]))
+        if out["skipped"]:
+            row.update(skipped=True)
+        else:
+            bal = out["balance"]
             row.update(max_vio=bal["max_vio"], max_vio_per_layer=bal["max_vio_per_layer"],
                        near_tie_fraction_per_layer=bal["near_tie_fraction_per_layer"])  # fmt: skip
             self._last_loads = bal["loads"]
-        else:
-            self.balancer.discard()
-            self.nonfinite_total += 1
-            self.nonfinite_run += 1
-            row.update(skipped=True)
-        self.optimizer.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
         tokens = sum(b.num_tokens() for b in batches) if cfg.vision else rows * seq_len
         if self.max_vio_floor is None:
             self.max_vio_floor = self._max_vio_floor(tokens)
-        self.tokens_seen += tokens
+        self.core.tokens_seen += tokens
         tps = tokens / elapsed
-        row.update(tokens_per_s=tps, tokens=self.tokens_seen, nonfinite_steps=self.nonfinite_total,
+        row.update(tokens_per_s=tps, tokens=self.core.tokens_seen, nonfinite_steps=self.core.nonfinite_total,
                    mfu=6 * self.active_params * tps / (self.peak_gflops * 1e9))  # fmt: skip
         self.step += 1
         return row
+
+    @property
+    def nonfinite_total(self) -> int:
+        return self.core.nonfinite_total
+
+    @property
+    def nonfinite_run(self) -> int:
+        return self.core.nonfinite_run
 
     # ---- the run -----------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -294,10 +270,8 @@ class Trainer:
 
     def save(self) -> str:
         """checkpoints/step-N at this layout: every rank writes its shards (train/checkpoint.py)."""
-        state = {"data": self.data.state_dict(), "nonfinite_total": self.nonfinite_total,
-                 "tokens_seen": self.tokens_seen}  # fmt: skip
-        return save_checkpoint(self.run_dir, self.step, self.model, self.optimizer, self.balancer.state_dict(), state,
-                               self.data.tokenizer, keep=self.cfg.keep_checkpoints, layout=self.layout)  # fmt: skip
+        return self.core.save(self.run_dir, self.step, {"data": self.data.state_dict()}, self.data.tokenizer,
+                              keep=self.cfg.keep_checkpoints)  # fmt: skip
 
     # ---- metrics.jsonl -------------------------------------------------------------------------------------------
     @property

@@ -18,7 +18,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from openk3.data import vision_tasks as vt
-from openk3.train.loss import lm_loss_sum
+from openk3.train.losses import lm_loss_sum
 
 EVAL_BATCH = 64  # examples per forward
 MAX_ANSWER_TOKENS = 16

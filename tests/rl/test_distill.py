@@ -15,14 +15,17 @@ import torch
 from openk3.config import K3Config
 from openk3.data.tokenizer import load_tokenizer, train_bpe
 from openk3.model.model import K3ForCausalLM
-from openk3.rl.distill import DistillTrainer, budget_reward, loss_groups, offpolicy_backward, opd_reward
+from openk3.rl.distill import DistillTrainer, budget_reward, loss_groups, offpolicy_weights, opd_reward
 from openk3.rl.distill_config import DistillConfig, TauSchedule, parse_tau_final
 from openk3.rl.distill_recipe import evaluate_policy, policy_episodes
 from openk3.rl.envs import initial_messages
 from openk3.rl.logprobs import sequence_log_softmax, sequence_logprobs
 from openk3.rl.teachers import TeacherKey, TeacherRegistry, VocabularyMismatch, parse_teachers
 from openk3.rl.transcript import prompt_ids
+from openk3.train.batch import TokenBatch, micro_batches
 from openk3.train.checkpoint import load_model
+from openk3.train.losses import LossConfig, Normalizers, Scores, get_loss
+from tests.train.train_helpers import capture_grads
 
 WORDS = "What is 12 times 34, plus 5? print python cat grep ls value of port in conf main.ini How many lines ERROR"
 
@@ -85,15 +88,15 @@ def test_reward_is_exactly_zero_for_a_teacher_with_the_students_weights(policies
                   partial_rollout_fraction=0.5, max_off_policy_steps=1, max_tokens=24, max_tokens_per_turn=8)  # fmt: skip
     trainer = _trainer(cfg, fleet)
     seen, segments = [], []
-    score = trainer.opd_rewards
+    score = trainer.opd_scores  # what the update's `opd` loss turns into the reward
 
     def spy(trajs):
-        rewards, teacher_lps = score(trajs)
-        seen.extend(rewards)
+        teacher_lps, student_lps = score(trajs)
+        seen.extend(opd_reward(t, lp, cfg.r_max) for t, lp in zip(teacher_lps, student_lps))
         segments.extend(len(t.segments()) for t in trajs)
-        return rewards, teacher_lps
+        return teacher_lps, student_lps
 
-    trainer.opd_rewards = spy
+    trainer.opd_scores = spy
     try:
         for _ in range(3):
             trainer.train_step()
@@ -115,8 +118,8 @@ def test_no_gradient_reaches_the_teacher_or_passes_the_stop_gradient(policies, f
         trajs = trainer._new_trajectories()
         trainer.worker.run(trajs, trainer.version)
         rewards, _ = trainer.opd_rewards(trajs)
+        got = capture_grads(trainer)  # the gradients the optimizer step applies
         trainer.update(trajs)
-        got = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
         with trainer.teachers.use(TeacherKey("calculator")) as teacher:
             assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
         # The same gradient by hand from the weights before the step: -sum(r_t * logp_t) / N over generated tokens.
@@ -322,14 +325,19 @@ def test_offpolicy_keep_solved_trains_only_on_the_teacher_samples_that_solve_the
                                                                                        monkeypatch):  # fmt: skip
     """Rejection sampling (--offpolicy-keep solved): of a step's teacher samples only the solved ones reach the SFT
     loss, each whole behind the student's tagged prompt; a step that keeps none leaves the student as it was."""
-    from openk3.rl import sft
+    from openk3.train.batch import TokenBatch
 
     cfg = _config(policies, tmp_path / "run", f"calculator={policies['a']},files:max={policies['b']}",
                   method="offpolicy", offpolicy_keep="solved", steps=2)  # fmt: skip
     trainer = _trainer(cfg, fleet)
     trained, solved = [], []
-    real_loss = sft.sft_loss
-    monkeypatch.setattr(sft, "sft_loss", lambda model, batch: trained.extend(batch) or real_loss(model, batch))
+    real_pack = TokenBatch.from_sequences
+
+    def spy(sequences, masks, **kw):  # what the update packs is what it trains on
+        trained.extend(zip(sequences, masks))
+        return real_pack(sequences, masks, **kw)
+
+    monkeypatch.setattr(TokenBatch, "from_sequences", staticmethod(spy))
     verdict = {"solve": lambda sample: sample.sample == 0}  # which samples the test declares solved
 
     def judged(run):
@@ -441,10 +449,11 @@ def test_offpolicy_loss_groups_weigh_every_token_or_every_key():
 
 
 @pytest.mark.parametrize("weight", ["tokens", "keys"])
-def test_offpolicy_backward_equals_one_forward_of_its_loss(policies, weight):
-    """The micro-batched loss (several chunks per group here) gives the value and gradients of the plain formula in
-    one forward: per group the cross-entropy summed over its masked tokens / their count, averaged over the groups.
-    Ragged lengths, groups of one sample and of several, masks with holes (tool output between turns)."""
+def test_offpolicy_weights_in_micro_batches_equal_one_forward_of_its_loss(policies, weight):
+    """The `lm` loss with the offpolicy token weights, in micro-batches that cut across groups, gives the value and
+    gradients of the plain formula in one forward: per group the cross-entropy summed over its masked tokens / their
+    count, averaged over the groups. Ragged lengths, groups of one sample and of several, masks with holes (tool
+    output between turns)."""
     model, _ = load_model(policies["init"], dtype=torch.float32)
     g = torch.Generator().manual_seed(3)
     vocab = model.text_config.vocab_size
@@ -457,7 +466,16 @@ def test_offpolicy_backward_equals_one_forward_of_its_loss(policies, weight):
     groups = loss_groups(keys, weight)
 
     model.zero_grad(set_to_none=True)
-    got = offpolicy_backward(model, batch, groups, micro_batch_tokens=24)
+    weights = offpolicy_weights([mask for _, mask in batch], groups)
+    got = 0.0
+    for chunk in micro_batches([len(ids) for ids, _ in batch], 24):
+        assert len(chunk) < len(batch)
+        tb = TokenBatch.from_sequences([batch[i][0] for i in chunk], [batch[i][1] for i in chunk],
+                                       fields={"token_weight_T": [weights[i] for i in chunk]})  # fmt: skip
+        scores = Scores(tb.targets_T, model.forward_batch(tb.forward_batch(torch.device("cpu"))))
+        loss, _ = get_loss("lm")(scores, tb, LossConfig(), Normalizers(tokens=0, sequences=0))
+        loss.backward()
+        got += loss.item()
     got_grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
     model.zero_grad(set_to_none=True)
@@ -608,3 +626,62 @@ def test_cli_reports_a_bad_spec_without_a_traceback(capsys, tmp_path):
     rc = main(["distill", "--teachers", "cooking=/nowhere", "--out", str(tmp_path / "run"), "--steps", "1"])
     assert rc == 2
     assert "unknown domain 'cooking'" in capsys.readouterr().err
+
+
+class _NoFleet:
+    """The ranks of the layout test train on injected trajectories: they start no sandbox."""
+
+    def close(self) -> None: ...
+
+
+def _distill_rank(rank: int, world: int, cfg: DistillConfig, trajs, steps: int):
+    trainer = DistillTrainer(cfg, log=lambda *a, **k: None, fleet=_NoFleet())
+    rows = []
+    for _ in range(steps):
+        rows.append(trainer.update(trajs))
+        trainer.step += 1
+        trainer.version += 1
+    weights = {name: t.clone() for name, t in trainer.sync.full_tensors(trainer.model)}
+    trainer.close()
+    return {"rows": rows, "weights": weights if rank == 0 else None}
+
+
+@pytest.mark.parametrize("method, layout", [("opd", {"dp": 2}), ("topk", {"ep": 2})], ids=["opd-dp2", "topk-ep2"])
+def test_sharded_distillation_equals_one_process(policies, fleet, tmp_path, method, layout):
+    """`k3 distill` trains on the same core at any layout: the same trajectories (injected), 2 updates on 2 gloo ranks
+    give the one-process losses and weights (1e-5 relative), teacher scores and top-k targets included."""
+    from tests.parallel.dist_helpers import run_ranks
+
+    teachers = f"calculator={policies['a']},files:max={policies['b']}"
+    single = _trainer(_config(policies, tmp_path / "one", teachers, method=method, group_size=3), fleet)
+    trajs = single._new_trajectories()
+    single.worker.run(trajs, single.version)
+    sendable = [dataclasses.replace(t, env=None) for t in trajs]
+    laid_out = _config(policies, tmp_path / "laid-out", teachers, method=method, group_size=3, **layout)
+    ranks = run_ranks(2, _distill_rank, laid_out, sendable, 2)
+    want = []
+    for _ in range(2):
+        want.append(single.update(trajs))
+        single.step += 1
+        single.version += 1
+    weights, want_w = ranks[0]["weights"], {k: v.clone() for k, v in single.model.state_dict().items()}
+    single.worker.close(trajs)
+    single.close()
+    for g, w in zip(ranks[0]["rows"], want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5, abs=1e-8)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5) and w["grad_norm"] > 0
+    diff = sum(float((weights[k] - t).double().square().sum()) for k, t in want_w.items()) ** 0.5
+    norm = sum(float(t.double().square().sum()) for t in want_w.values()) ** 0.5
+    assert diff / norm <= 1e-5
+
+
+def test_a_teacher_with_another_tokenizer_stops_the_run_before_any_work(policies, fleet, tmp_path):
+    config = K3Config.preset("tiny")
+    text = config.text_config
+    special = {"bos": text.bos_token_id, "eos": text.eos_token_id, "pad": text.pad_token_id}
+    model, _ = load_model(policies["init"], dtype=torch.float32)
+    other = _save(model, train_bpe(["entirely other words"] * 10, text.vocab_size, special), tmp_path / "other")
+    out = tmp_path / "run"
+    with pytest.raises(VocabularyMismatch, match="calculator"):
+        _trainer(_config(policies, out, f"calculator={other}"), fleet)
+    assert not out.exists()  # no config, no checkpoint, no engine or sandbox started

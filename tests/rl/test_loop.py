@@ -153,33 +153,6 @@ def test_kl_reference_is_the_policy_at_the_start_of_rl_and_resumes(init_dir, tmp
     assert all(torch.equal(v, split_w[k]) for k, v in whole_w.items())
 
 
-def _rank(rank: int, world: int, init_dir: str, out: str):
-    from openk3.rl.loop import RLTrainer
-    from openk3.rl.weight_sync import Sync
-    from openk3.sandbox.fleet import Fleet
-
-    with Fleet(max_sandboxes=8, warm=0, memory_mb=256) as fleet:
-        trainer = RLTrainer(_config(init_dir, out, steps=1), sync=Sync.from_process_group(), log=lambda *a: None,
-                            fleet=fleet)  # fmt: skip
-        seen = {}
-        update = trainer.update
-
-        def spy(trajs):
-            seen["trajs"] = [dataclasses.replace(t, env=None) for t in trajs]
-            return update(trajs)
-
-        trainer.update = spy
-        trainer.train_step()
-        out_state = {
-            "trajs": seen.get("trajs"),
-            "model": {k: v.clone() for k, v in trainer.model.state_dict().items()},
-            "engine": {k: v.clone() for k, v in trainer.engine.model.state_dict().items()},
-            "engine_version": trainer.engine.weight_version,
-        }
-        trainer.close()
-    return out_state
-
-
 @pytest.mark.parametrize("replay", [True, False])
 def test_micro_batched_update_is_the_one_forward_update(init_dir, tmp_path, fleet, replay):
     """The update in micro-batches of a few trajectories accumulates the gradient of one forward over all of them
@@ -232,19 +205,189 @@ def test_gap_the_other_way_is_measured_every_gap_check_every_steps(init_dir, tmp
         _config(init_dir, str(tmp_path / "bad"), gap_check_every=-1)
 
 
-def test_two_ranks_make_the_one_process_update(init_dir, tmp_path, fleet):
+class _NoFleet:
+    """The ranks of the layout tests train on injected trajectories: they start no sandbox."""
+
+    def close(self) -> None: ...
+
+
+def _updates(trainer, trajs, steps: int) -> list[dict]:
+    rows = []
+    for _ in range(steps):
+        rows.append(trainer.update(trajs))
+        trainer.step += 1
+        trainer.version += 1
+    return rows
+
+
+def _layout_rank(rank: int, world: int, init_dir: str, out: str, layout: dict, trajs, steps: int):
     from openk3.rl.loop import RLTrainer
 
-    ranks = run_ranks(2, _rank, init_dir, str(tmp_path / "two"))
-    trajs = ranks[0]["trajs"]
-    assert ranks[1]["trajs"] is None  # rank 0 alone trains
-    assert sorted({t.group for t in trajs}) == [0, 1] and len(trajs) == 4  # both ranks' groups were gathered
-    single = RLTrainer(_config(init_dir, str(tmp_path / "one"), steps=1), log=lambda *a: None, fleet=fleet)
-    single.update(trajs)
-    state = single.model.state_dict()
+    trainer = RLTrainer(_config(init_dir, out, **layout), log=lambda *a: None, fleet=_NoFleet())
+    rows = _updates(trainer, trajs, steps)
+    weights = {name: t.clone() for name, t in trainer.sync.full_tensors(trainer.model)}
+    trainer._publish(force=True)  # every rank's engine gets the sharded policy, gathered tensor by tensor
+    engine = {k: v.clone() for k, v in trainer.engine.model.state_dict().items()}
+    path = trainer.save()
+    trainer.close()
+    return {"rows": rows, "weights": weights if rank == 0 else None, "engine_equal": all(
+        torch.equal(engine[k], w) for k, w in weights.items()), "checkpoint": path}  # fmt: skip
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("world, layout", [(2, {"dp": 2}), (2, {"ep": 2}), (4, {"dp": 2, "ep": 2, "kl_coef": 0.1})],
+                         ids=["dp2", "ep2", "dp2-ep2-kl"])  # fmt: skip
+def test_sharded_updates_equal_one_process(init_dir, tmp_path, fleet, world, layout):
+    """The same trajectories (rolled out once, injected), 3 updates: every layout trains the policy sharded exactly
+    as k3 train does and equals one process (losses and weights within 1e-5 relative); the routing-replay log-prob
+    gap stays at rounding level under EP; every rank's engine receives the gathered policy; and the checkpoint,
+    saved shard by shard, resumes in one process with the same weights."""
+    from openk3.rl.loop import RLTrainer
+
+    extra = {k: v for k, v in layout.items() if k == "kl_coef"}
+    single = RLTrainer(_config(init_dir, str(tmp_path / "one"), groups_per_step=2, group_size=3, **extra),
+                       log=lambda *a: None, fleet=fleet)  # fmt: skip
+    trajs = single._new_trajectories()
+    single.worker.run(trajs, single.version)
+    for i, t in enumerate(trajs):  # a spread of rewards, so the advantages (and gradients) are not 0
+        t.reward = float(i % 2)
+    sendable = [dataclasses.replace(t, env=None) for t in trajs]
+    ranks = run_ranks(world, _layout_rank, init_dir, str(tmp_path / "laid-out"), {**layout, "groups_per_step": 2,
+                      "group_size": 3}, sendable, 3)  # fmt: skip
+    want = _updates(single, trajs, 3)
+    single.worker.close(trajs)
+    got = ranks[0]["rows"]
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5, abs=1e-8), step
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-5), step
+        assert g["trained_sequences"] == w["trained_sequences"] == 6
+    assert got[0]["logprob_gap_max"] <= 1e-5  # routing replay: the trainer scores what the engine sampled
+    assert all(r["engine_equal"] for r in ranks)
+    weights, want_w = ranks[0]["weights"], single.model.state_dict()
+    # The whole policy within 1e-5 relative; a tensor alone within 1e-4: AdamW divides by sqrt(v), so a parameter
+    # whose gradient is near zero (AttnRes pseudo-queries start at 0) turns the summation order's rounding into a
+    # larger relative change of its (tiny) weights.
+    diff = sum(float((weights[k] - t).double().square().sum()) for k, t in want_w.items()) ** 0.5
+    norm = sum(float(t.double().square().sum()) for t in want_w.values()) ** 0.5
+    worst = max((_rel(weights[k], t), k) for k, t in want_w.items())
+    assert diff / norm <= 1e-5 and worst[0] <= 1e-4, (diff / norm, worst)
     single.close()
-    for name, t in state.items():
-        assert torch.equal(t, ranks[0]["model"][name]), name
-        assert torch.equal(t, ranks[1]["engine"][name]), name  # the broadcast reached the other rank's engine
-        assert torch.equal(t, ranks[1]["model"][name]), name
-    assert ranks[0]["engine_version"] == ranks[1]["engine_version"] == 1
+    resumed = RLTrainer(_config(init_dir, str(tmp_path / "laid-out"), resume=True), log=lambda *a: None, fleet=fleet)
+    try:
+        assert resumed.step == 3 and resumed.version == 3
+        assert all(torch.equal(t, weights[name]) for name, t in resumed.model.state_dict().items())
+    finally:
+        resumed.close()
+
+
+def test_a_warm_start_stopped_by_a_signal_resumes_inside_its_phase(init_dir, tmp_path, fleet):
+    """Ctrl-C during copy pre-training: the run saves at the end of that step and says how to continue; --resume
+    continues the copy phase where it stopped (no step repeated) and the warm start ends with the weights of one
+    that was never stopped, bit for bit (optimizer moments, streams and RNG are in the checkpoint)."""
+    import signal
+
+    from openk3.rl.loop import RLTrainer
+
+    warm = {"copy_steps": 4, "sft_steps": 2, "sft_batch_size": 4, "steps": 1, "eval_every": 100}
+    whole = RLTrainer(_config(init_dir, str(tmp_path / "whole"), **warm), log=lambda *a: None, fleet=fleet)
+    whole.warm_start()
+    want = {k: v.clone() for k, v in whole.model.state_dict().items()}
+    whole.close()
+
+    out, lines = str(tmp_path / "split"), []
+    trainer = RLTrainer(_config(init_dir, out, **warm), log=lines.append, fleet=fleet)
+    batch, calls = trainer.copies.batch, []
+
+    def interrupted(n):  # the second copy step's batch: a Ctrl-C arrives while it trains
+        calls.append(n)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return batch(n)
+
+    trainer.copies.batch = interrupted
+    assert trainer.run() == {}
+    trainer.close()
+    assert trainer.stopped_by == signal.SIGINT and trainer.copy_done == 2 and trainer.sft_done == 0
+    assert any("continue with: k3 rl --out" in line and "--resume" in line for line in lines), lines
+    assert not os.path.exists(os.path.join(out, "metrics.jsonl"))  # RL never started
+    resumed = RLTrainer(_config(init_dir, out, resume=True, **warm), log=lambda *a: None, fleet=fleet)
+    try:
+        assert (resumed.copy_done, resumed.sft_done, resumed.step) == (2, 0, 0)
+        resumed.warm_start()
+        assert (resumed.copy_done, resumed.sft_done) == (4, 2)
+        got = resumed.model.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+    finally:
+        resumed.close()
+    with open(os.path.join(out, "sft.jsonl")) as f:
+        assert [json.loads(line).get("copy_step") for line in f] == [4, None]  # each phase's last line, once
+
+
+@pytest.mark.slow
+def test_a_four_rank_run_finishes_under_the_watchdog_and_resumes_in_one_process(init_dir, tmp_path):
+    """`k3 rl --nproc 4 --dp 2 --ep 2`, 20 steps, through the command line (torchrun, gloo, each rank its own engine
+    and sandboxes), with a 120 s collective timeout: it finishes (no rank waits for a collective another never
+    makes), and `--resume` continues it in one process from its sharded checkpoint."""
+    import subprocess
+    import sys
+
+    out = str(tmp_path / "run")
+    flags = ["--task", "calculator", "--init", init_dir, "--out", out, "--groups-per-step", "4", "--group-size", "2",
+             "--max-turns", "2", "--max-tokens", "24", "--max-tokens-per-turn", "12", "--eval-tasks", "2",
+             "--eval-every", "10", "--save-every", "10", "--no-progress", "--threads", "1"]  # fmt: skip
+    env = {**os.environ, "OPENK3_COLLECTIVE_TIMEOUT_S": "120"}
+    run = [sys.executable, "-m", "openk3.cli", "rl", *flags]
+    done = subprocess.run([*run, "--steps", "20", "--nproc", "4", "--dp", "2", "--ep", "2"], env=env, timeout=900,
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == list(range(21))
+    assert all(r["logprob_gap"] <= 1e-5 for r in rows[1:] if r.get("trained_sequences"))
+    resumed = subprocess.run([*run, "--steps", "21", "--resume"], env=env, timeout=600, capture_output=True, text=True,
+                             check=False)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == list(range(22))
+
+
+def test_bad_layouts_and_resumes_are_named_before_any_work_and_runs_export(init_dir, tmp_path, fleet):
+    """An EP degree that does not divide the experts, --cp, and a --resume whose model differs from the command's
+    are named errors raised before anything in --out is written; a resumed run tolerates a metrics line a kill cut
+    short (and rewrites the file whole); `k3 export` turns an RL run into a release folder."""
+    from openk3.cli import main
+    from openk3.rl.loop import RLTrainer
+
+    experts = K3Config.preset("tiny").text_config.num_experts
+    for bad, match in (({"ep": experts + 1}, f"--ep {experts + 1} must divide"), ({"cp": 2}, "--cp > 1")):
+        out = tmp_path / f"bad-{next(iter(bad))}"
+        with pytest.raises(ValueError, match=match):
+            RLTrainer(_config(init_dir, str(out), **bad), log=lambda *a: None, fleet=fleet)
+        assert not out.exists()
+    out = str(tmp_path / "run")
+    trainer = RLTrainer(_config(init_dir, out, steps=1), log=lambda *a: None, fleet=fleet)
+    trainer.run()
+    trainer.close()
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 2, "reward": 0.')  # a kill in the middle of a line
+    other = tmp_path / "other-init"
+    tiny = K3Config.preset("tiny")
+    model = K3ForCausalLM(dataclasses.replace(tiny, text_config=dataclasses.replace(tiny.text_config,
+                                                                                     num_experts=2 * experts)))  # fmt: skip
+    model.init_weights(torch.Generator().manual_seed(0))
+    model.save_pretrained(str(other))
+    listing = sorted(os.listdir(out))
+    with pytest.raises(ValueError, match="holds another model than --init .*num_experts"):
+        RLTrainer(_config(str(other), out, steps=2, resume=True), log=lambda *a: None, fleet=fleet)
+    assert sorted(os.listdir(out)) == listing
+    resumed = RLTrainer(_config(init_dir, out, steps=2, resume=True), log=lambda *a: None, fleet=fleet)
+    resumed.run()
+    resumed.close()
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [0, 1, 2]
+    assert main(["export", "--ckpt", out, "--out", str(tmp_path / "release")]) == 0
+    exported = K3ForCausalLM.from_pretrained(str(tmp_path / "release")).state_dict()  # the release's dtypes (bf16)
+    assert all(torch.equal(exported[k], v.to(exported[k].dtype)) for k, v in resumed.model.state_dict().items())

@@ -108,9 +108,9 @@ def test_metrics_rows_and_plots(corpus, tmp_path):
 
 
 def test_nonfinite_steps_are_skipped_then_stop(corpus, tmp_path, monkeypatch):
-    import openk3.train.trainer as trainer_mod
+    import openk3.train.losses as losses_mod  # the `lm` loss the training core calls
 
-    real = trainer_mod.lm_loss_sum
+    real = losses_mod.lm_loss_sum
     calls = {"n": 0}
 
     def flaky(logits, labels):
@@ -118,7 +118,7 @@ def test_nonfinite_steps_are_skipped_then_stop(corpus, tmp_path, monkeypatch):
         loss = real(logits, labels)
         return loss * float("nan") if calls["n"] in (2, 4, 5, 6) else loss
 
-    monkeypatch.setattr(trainer_mod, "lm_loss_sum", flaky)
+    monkeypatch.setattr(losses_mod, "lm_loss_sum", flaky)
     trainer = Trainer(_cfg(corpus, tmp_path, steps=10, max_nonfinite=3, curriculum=0.0), log=lambda *a: None)
     with pytest.raises(NonFiniteError, match="3 non-finite steps in a row"):
         trainer.run()

@@ -30,16 +30,23 @@ def small_config(corpus: str, out, **overrides) -> TrainConfig:
                           **overrides})  # fmt: skip
 
 
+def capture_grads(owner) -> dict:
+    """A dict that `owner`'s next optimizer steps fill with the gradients they apply (`owner.optimizer`, over
+    `owner.model`): the training core clears them after the step."""
+    grads = {}
+    real_step = owner.optimizer.step
+
+    def capture():
+        grads.update({n: p.grad.clone() for n, p in owner.model.named_parameters() if p.grad is not None})
+        real_step()
+
+    owner.optimizer.step = capture
+    return grads
+
+
 def grads_of_one_step(trainer):
     """Run one step, capturing the gradients the optimizer sees (Adam's first update amplifies rounding, so the
     gradients are the quantity to compare)."""
-    grads = {}
-    real_step = trainer.optimizer.step
-
-    def capture():
-        grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
-        real_step()
-
-    trainer.optimizer.step = capture
+    grads = capture_grads(trainer)
     row = trainer.train_step()
     return row, grads

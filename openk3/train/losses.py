@@ -1,22 +1,44 @@
-"""RL policy losses on packed tokens: GRPO group advantages, the PPO / CISPO / Kimi k1.5 mirror-descent / REINFORCE
-policy terms, the TIS and IcePop off-policy corrections between the trainer's and the rollout engine's log-probs, and
-an optional k3 KL to a reference model (spec/rl.md §2-3).
+"""The one loss registry: every kind of training computes its loss here, from the model's scores on a packed batch
+and the batch's per-token fields (train/batch.py), so one training core (train/core.py) serves them all.
 
-Per-token tensors are packed over the loss tokens of many sequences: `seq_T` gives each token's sequence (0..S-1),
-`mask_T` marks the tokens that count (generated tokens; tool and observation tokens are False). Log-ratios are tested
-in log space, and every value that must not count is replaced with torch.where *before* any arithmetic: a where applied
-afterwards still sends 0 * inf = NaN through the backward (spec/rl.md §4, "IcePop/TIS producing NaN at ±inf ratios").
+    lm         summed cross-entropy over the loss-mask tokens: pre-training, SFT, copy pre-training, off-policy
+               distillation on teacher samples (`token_weight_T` weighs tokens, e.g. each teacher key alike)
+    ppo        asymmetric clipped ratio (slime/Miles eps 0.2 / 0.28)
+    cispo      MiniMax-M1: the importance weight clipped from above and stop-gradiented
+    k15        Kimi k1.5 online mirror descent (sequence level)
+    reinforce  -A log p
+    opd        K3's multi-teacher on-policy distillation reward (report Eq. 15) as a dense per-token reward added to
+               the advantage inside `cfg.kind`'s policy loss: A_t + opd_weight * clip(sg(log p_teacher - log p), ±r_max)
+    topk_kl    forward KL from the teacher's renormalised top-k next-token distribution to the policy
 
-Legend: T packed loss tokens, S sequences (rollout samples), G prompt groups.
+The policy losses take the TIS or IcePop correction between the trainer's and the rollout engine's log-probs and an
+optional k3 KL to a reference model. A new loss is one function and one `@register_loss("name")` line.
+
+A loss is `fn(scores, batch, cfg, norm) -> (scalar loss, metrics)`: `scores` the model's output on `batch` (logits, or
+log-probs of the targets), `cfg` the LossConfig, `norm` the step's totals (`Normalizers`: loss tokens and sequences
+over every micro-batch and rank), which the loss divides by, so micro-batches' and ranks' losses add up to the one
+forward's loss and their gradients to its gradient.
+
+Per-token tensors are packed: `seq_T` gives each position's sequence (0..S-1), `mask_T` marks the positions that count
+(generated tokens; tool and observation tokens are False). Log-ratios are tested in log space, and every value that
+must not count is replaced with torch.where *before* any arithmetic: a where applied afterwards still sends
+0 * inf = NaN through the backward (IcePop/TIS with ratios at ±inf).
+
+Legend: T packed positions (position t scores token t + 1), S sequences, V vocabulary, k top-k entries.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from openk3.data.packing import IGNORE_INDEX
 
 KINDS = ("ppo", "cispo", "k15", "reinforce")
 AVERAGES = ("token", "sequence")
@@ -26,25 +48,9 @@ CORRECTIONS = (None, "tis", "icepop")
 MAX_LOG_RATIO = 20.0
 
 
-def group_advantages(rewards_S: Tensor, group_S: Tensor, normalize_std: bool = False, eps: float = 1e-6) -> Tensor:
-    """GRPO advantages: each reward minus its group's mean, optionally divided by the group's std + eps. The std is
-    the unbiased one (torch.std's default, as in verl and slime). A group of one sample gets 0: nothing to compare."""
-    rewards_S = rewards_S.float()
-    _, gid_S = torch.unique(group_S, return_inverse=True)  # group ids need not be contiguous
-    num_groups = int(gid_S.max()) + 1 if gid_S.numel() else 0
-    count_G = rewards_S.new_zeros(num_groups).index_add_(0, gid_S, torch.ones_like(rewards_S))
-    mean_G = rewards_S.new_zeros(num_groups).index_add_(0, gid_S, rewards_S) / count_G
-    adv_S = rewards_S - mean_G[gid_S]
-    if normalize_std:
-        sq_G = rewards_S.new_zeros(num_groups).index_add_(0, gid_S, adv_S.square())
-        std_G = (sq_G / (count_G - 1).clamp(min=1)).sqrt()
-        adv_S = adv_S / (std_G[gid_S] + eps)
-    return torch.where(count_G[gid_S] > 1, adv_S, 0.0)
-
-
 @dataclass
 class LossConfig:
-    """Which policy loss, how it is averaged, and which off-policy correction (spec/rl.md §3 defaults).
+    """Which policy loss, how it is averaged, and which off-policy correction (the defaults of K3's open RL stacks).
 
     kind: "ppo" (asymmetric clip, slime/Miles eps 0.2/0.28), "cispo" (MiniMax-M1: the importance weight is clipped
     from above at 1 + cispo_eps_high and stop-gradiented; no lower clip, as in the paper, which sets eps_low_IS large),
@@ -65,6 +71,8 @@ class LossConfig:
     icepop_low: float = 0.5
     icepop_high: float = 5.0
     kl_coef: float = 0.0
+    opd_weight: float = 1.0  # opd: the weight of the per-token reward in the advantage
+    r_max: float = 5.0  # opd: the reward's clip
 
     def __post_init__(self):
         for name, allowed in (("kind", KINDS), ("average", AVERAGES), ("correction", CORRECTIONS)):
@@ -72,10 +80,10 @@ class LossConfig:
                 raise ValueError(f"LossConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not 0 <= self.eps_low < 1:
             raise ValueError(f"LossConfig.eps_low must be in [0, 1), got {self.eps_low}")
-        for name in ("eps_high", "kl_coef"):
+        for name in ("eps_high", "kl_coef", "opd_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LossConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("cispo_eps_high", "tau", "tis_cap"):
+        for name in ("cispo_eps_high", "tau", "tis_cap", "r_max"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"LossConfig.{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.icepop_low <= 1:
@@ -193,7 +201,7 @@ def policy_loss(
 def _mirror_descent(
     logp_T: Tensor, old_T: Tensor, advantages_T: Tensor, mask_T: Tensor, seq_T: Tensor, num_seqs: int, tau: float
 ) -> Tensor:
-    """Kimi k1.5 online mirror descent (arXiv 2501.12599, spec/rl.md §2): per sequence j, with S_j and S_old_j the sums
+    """Kimi k1.5 online mirror descent (arXiv 2501.12599): per sequence j, with S_j and S_old_j the sums
     of the kept tokens' log-probs, L_j = -(A_j S_j - tau/2 (S_j - S_old_j)^2), averaged over the sequences that have a
     mask token (the caller divides the sum returned here by their count). A_j is the advantage at the sequence's first
     mask token (it is a sequence-level quantity broadcast)."""
@@ -208,3 +216,135 @@ def _mirror_descent(
     adv_S = adv_pad_T[first_S]
     loss_S = -(adv_S * sum_S - 0.5 * tau * (sum_S - old_sum_S).square())
     return loss_S.sum()
+
+
+# ---- the registry ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Normalizers:
+    """What a step's loss divides by, counted over the whole step (every micro-batch, every rank): loss-mask tokens,
+    and sequences with at least one of them."""
+
+    tokens: int
+    sequences: int
+
+
+class Scores:
+    """The model's output on a packed batch, as a loss reads it: `logits_TV` (raw), `logp_TV` = log softmax of the
+    fp32 logits, `logp_T` = the targets' log-probs. Built from logits by the training core, or from detached `logp_T`
+    alone for whole-step metrics."""
+
+    def __init__(self, targets_T: Tensor, logits_TV: Tensor | None = None, logp_T: Tensor | None = None):
+        self.targets_T, self.logits_TV = targets_T, logits_TV
+        if logp_T is not None:
+            self.__dict__["logp_T"] = logp_T
+
+    @cached_property
+    def logp_TV(self) -> Tensor:
+        return torch.log_softmax(self.logits_TV.float() / 1.0, dim=-1)  # / 1.0: the rollout's temperature-1 op order
+
+    @cached_property
+    def logp_T(self) -> Tensor:
+        return self.logp_TV.gather(-1, self.targets_T[:, None]).squeeze(-1)
+
+
+LossFn = Callable[..., "tuple[Tensor, dict[str, float]]"]
+LOSSES: dict[str, LossFn] = {}
+WHOLE_STEP_METRICS: set[str] = set()  # losses whose metrics are recomputed over the whole step's detached log-probs
+
+
+def register_loss(name: str, whole_step_metrics: bool = False):
+    """`@register_loss("name")` adds `fn(scores, batch, cfg, norm) -> (loss, metrics)` to the registry.
+    `whole_step_metrics`: its metrics (ratios, clip fractions) are means over the whole step, so the core computes
+    them once more over the step's detached log-probs rather than summing micro-batches'."""
+
+    def add(fn: LossFn) -> LossFn:
+        if name in LOSSES:
+            raise ValueError(f"loss {name!r} is registered twice")
+        LOSSES[name] = fn
+        if whole_step_metrics:
+            WHOLE_STEP_METRICS.add(name)
+        return fn
+
+    return add
+
+
+def get_loss(name: str) -> LossFn:
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; registered: {sorted(LOSSES)}")
+    return LOSSES[name]
+
+
+def lm_loss_sum(logits_TV: Tensor, labels_T: Tensor) -> Tensor:
+    """Sum of per-token cross-entropy (fp32) over positions whose label is not -100."""
+    return F.cross_entropy(logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@register_loss("lm")
+def lm_loss(scores: Scores, batch, cfg: LossConfig, norm: Normalizers):
+    """Cross-entropy over the loss-mask tokens / the step's loss tokens; with a `token_weight_T` field, the
+    weighted sum instead (the weights already normalise)."""
+    labels_T = torch.where(batch.loss_mask_T, batch.targets_T, IGNORE_INDEX)
+    weight_T = batch.fields.get("token_weight_T")
+    if weight_T is None:
+        loss = lm_loss_sum(scores.logits_TV, labels_T) / max(norm.tokens, 1)
+    else:
+        ce_T = F.cross_entropy(scores.logits_TV.float(), labels_T, ignore_index=IGNORE_INDEX, reduction="none")
+        loss = (ce_T * weight_T).sum()
+    return loss, {}
+
+
+def _policy(scores: Scores, batch, cfg: LossConfig, norm: Normalizers, advantages_T: Tensor):
+    f = batch.fields
+    return policy_loss(scores.logp_T, scores.logp_T.detach(), advantages_T, batch.loss_mask_T, batch.seq_T, cfg,
+                       rollout_logp_T=f.get("behaviour_logp_T"), ref_logp_T=f.get("reference_logp_T"),
+                       normalizers=(norm.tokens, norm.sequences))  # fmt: skip
+
+
+def _register_policy(kind: str) -> None:
+    @register_loss(kind, whole_step_metrics=True)
+    def loss(scores, batch, cfg, norm):
+        return _policy(scores, batch, replace(cfg, kind=kind), norm, batch.fields["advantages_T"])
+
+
+for _kind in KINDS:
+    _register_policy(_kind)
+
+
+def opd_reward(teacher_logp_T: Tensor, student_logp_T: Tensor, r_max: float) -> Tensor:
+    """K3 Eq. 15: clip(sg(log p_teacher - log p_student), -r_max, r_max), per token (fp32, no gradient)."""
+    if r_max <= 0:
+        raise ValueError(f"r_max must be positive, got {r_max}")
+    diff_T = teacher_logp_T.detach().float() - student_logp_T.detach().float()
+    return diff_T.clamp(-r_max, r_max)
+
+
+@register_loss("opd", whole_step_metrics=True)
+def opd_loss(scores: Scores, batch, cfg: LossConfig, norm: Normalizers):
+    """`cfg.kind`'s policy loss with the advantage A_t + opd_weight * r_opd(y_t) on the mask tokens. The fields
+    `teacher_logp_T` and `student_logp_T` are the teacher's and the student's log-probs of each token, scored in
+    no-grad forwards batched alike (so a teacher with the student's weights gives a reward of exactly 0)."""
+    f, mask_T = batch.fields, batch.loss_mask_T
+    r_T = opd_reward(f["teacher_logp_T"], f["student_logp_T"], cfg.r_max)
+    adv_T = f["advantages_T"] + cfg.opd_weight * torch.where(mask_T, r_T, 0.0)
+    loss, metrics = _policy(scores, batch, cfg, norm, adv_T)
+    n = max(int(mask_T.sum()), 1)
+    metrics["opd_reward"] = float(r_T[mask_T].sum()) / n
+    metrics["reverse_kl"] = -metrics["opd_reward"]  # the per-token estimate E[log p_student - log p_teacher]
+    metrics["opd_clip_fraction"] = float((r_T[mask_T].abs() >= cfg.r_max).sum()) / n
+    return loss, metrics
+
+
+@register_loss("topk_kl")
+def topk_kl_loss(scores: Scores, batch, cfg: LossConfig, norm: Normalizers):
+    """KL(q || p) per mask token, q the teacher's top-k probabilities (`teacher_topk_probs_Tk`, renormalised, at
+    `teacher_topk_ids_Tk`), summed per sequence and over sequences in order, / the step's loss tokens. The entropy
+    term has no gradient; it makes the value the KL (0 for the teacher's own distribution)."""
+    f = batch.fields
+    ids_Tk, q_Tk = f["teacher_topk_ids_Tk"], f["teacher_topk_probs_Tk"]
+    ce_T = -(q_Tk * scores.logp_TV.gather(-1, ids_Tk)).sum(-1)
+    ent_T = (q_Tk * q_Tk.clamp(min=1e-30).log()).sum(-1)
+    kl_T = torch.where(batch.loss_mask_T, ce_T + ent_T, 0.0)
+    loss = 0.0
+    for part in kl_T.split(batch.lengths):  # one sequence at a time, the summation order of a per-sequence loop
+        loss = loss + part.sum() / max(norm.tokens, 1)
+    return loss, {}

@@ -1,5 +1,6 @@
-"""openk3.rl.losses: each loss kind's gradient against its hand-derived closed form, the asymmetric clip, IcePop and
-TIS at their band edges and on ±inf/NaN log-probs, GRPO advantages, and LossConfig validation."""
+"""openk3.train.losses (the policy losses) and openk3.rl.advantages: each loss kind's gradient against its
+hand-derived closed form, the asymmetric clip, IcePop and TIS at their band edges and on ±inf/NaN log-probs, GRPO
+advantages, and LossConfig validation."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import math
 import pytest
 import torch
 
-from openk3.rl.losses import LossConfig, group_advantages, policy_loss
+from openk3.rl.advantages import group_advantages
+from openk3.train.losses import LossConfig, policy_loss
 
 F32 = torch.float32
 

@@ -1,0 +1,111 @@
+"""`TokenBatch`: what one forward of the training core (train/core.py) trains on, whatever the kind of training:
+packed sequences (this rank's share), the token each position predicts, the loss mask, and named per-token fields
+that the losses (train/losses.py) read.
+
+Position t of a sequence of n tokens is fed token t and scores token t + 1 (t = 0..n-2: the last token is never fed,
+as in the rollout engine, so routes recorded at rollout cover exactly the fed positions). Pre-training rows and
+vision batches are wrapped as they are (`from_forward_batch`, `model_inputs`).
+
+Fields (each [T] or [T, k], on the positions; present when the loss needs them):
+    advantages_T          policy losses: the advantage of each position's token
+    behaviour_logp_T      the rollout engine's log-prob of each token (TIS / IcePop corrections, the log-prob gap)
+    reference_logp_T      the KL reference's log-probs
+    teacher_logp_T        opd: the teacher's log-probs; student_logp_T: the student's, scored alike
+    teacher_topk_ids_Tk   topk_kl: the teacher's top-k next tokens; teacher_topk_probs_Tk their renormalised probs
+    token_weight_T        lm: a weight per token in place of the 1 / loss-token count
+
+Legend: T packed positions, S sequences, M MoE layers, k experts per token (routes) or top-k entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from openk3.model.batch import ForwardBatch
+
+
+@dataclass
+class TokenBatch:
+    targets_T: torch.Tensor  # long; the token position t predicts (IGNORE_INDEX where none)
+    loss_mask_T: torch.Tensor  # bool; the positions the loss counts
+    lengths: list[int]  # positions per sequence (they sum to T)
+    input_ids_T: torch.Tensor | None = None  # the fed tokens (None when `prebuilt` or `model_inputs` feeds the model)
+    routed_experts_TMk: torch.Tensor | None = None  # the rollout's routes of every fed position (routing replay)
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    prebuilt: ForwardBatch | None = None  # a pre-training row batch, as the layout cut it (context parallel)
+    model_inputs: dict | None = None  # vision batches: `model(**model_inputs).logits` is [R, L, V]
+    padding: bool = False  # TokenBatch.padding_batch(): counts for nothing
+
+    @property
+    def seq_T(self) -> torch.Tensor:
+        """The sequence (0..S-1) of every position."""
+        return torch.repeat_interleave(torch.arange(len(self.lengths)), torch.tensor(self.lengths, dtype=torch.long))
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.targets_T.numel())
+
+    @classmethod
+    def from_sequences(cls, sequences: list[list[int]], masks: list[list[bool]], *,
+                       fields: dict[str, list[torch.Tensor]] | None = None,
+                       routes: list[torch.Tensor] | None = None) -> TokenBatch:  # fmt: skip
+        """Sequences of >= 2 tokens packed: `masks[i][t]` says whether token t counts (entry 0 is never scored);
+        `fields[name][i]` holds sequence i's values at its positions ([n - 1] or [n - 1, k]); `routes[i]` its
+        recorded routes, [>= n - 1, M, k] (rows past n - 1 unused)."""
+        short = [i for i, s in enumerate(sequences) if len(s) < 2]
+        if short:
+            raise ValueError(f"sequences {short} have fewer than 2 tokens: nothing to score")
+        lengths = [len(s) - 1 for s in sequences]
+        input_ids_T = torch.tensor([t for s in sequences for t in s[:-1]], dtype=torch.long)
+        targets_T = torch.tensor([t for s in sequences for t in s[1:]], dtype=torch.long)
+        mask_T = torch.tensor([m for mask in masks for m in mask[1:]], dtype=torch.bool)
+        packed = {name: torch.cat(list(parts)) for name, parts in (fields or {}).items()}
+        routes_TMk = None
+        if routes is not None:
+            for i, (r_PMk, n) in enumerate(zip(routes, lengths)):
+                if r_PMk.dim() != 3 or r_PMk.shape[0] < n:
+                    raise ValueError(f"routed experts of sequence {i} must be [>= {n}, M, k], got {tuple(r_PMk.shape)}")
+            routes_TMk = torch.cat([r_PMk[:n].to(torch.long) for r_PMk, n in zip(routes, lengths)])
+        return cls(targets_T, mask_T, lengths, input_ids_T, routes_TMk, packed)
+
+    @classmethod
+    def padding_batch(cls) -> TokenBatch:
+        """One position that counts for nothing: a rank with fewer micro-batches than the others runs it, so every
+        rank makes the same collectives (expert all-to-alls, FSDP gathers) in the same order."""
+        zero = torch.zeros(1, dtype=torch.long)
+        return cls(zero, torch.zeros(1, dtype=torch.bool), [1], zero, padding=True)
+
+    def forward_batch(self, device: torch.device) -> ForwardBatch:
+        if self.prebuilt is not None:
+            return self.prebuilt
+        routes = None if self.routed_experts_TMk is None else self.routed_experts_TMk.to(device)
+        return ForwardBatch.from_lengths(self.input_ids_T.to(device), self.lengths, routed_experts=routes)
+
+    def to(self, device: torch.device) -> TokenBatch:
+        """The per-token tensors the loss reads on `device` (the fed tokens and routes move in forward_batch)."""
+        return TokenBatch(self.targets_T.to(device), self.loss_mask_T.to(device), self.lengths, self.input_ids_T,
+                          self.routed_experts_TMk, {k: v.to(device) for k, v in self.fields.items()}, self.prebuilt,
+                          self.model_inputs, self.padding)  # fmt: skip
+
+    @staticmethod
+    def cat(batches: list[TokenBatch]) -> TokenBatch:
+        """The batches' positions and fields one after another (sequences renumbered in order); no model inputs."""
+        names = set.intersection(*(set(b.fields) for b in batches)) if batches else set()
+        return TokenBatch(torch.cat([b.targets_T for b in batches]), torch.cat([b.loss_mask_T for b in batches]),
+                          [n for b in batches for n in b.lengths],
+                          fields={k: torch.cat([b.fields[k] for b in batches]) for k in sorted(names)})  # fmt: skip
+
+
+def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive index runs of `lengths` whose sums stay within `max_tokens` (a longer sequence is alone)."""
+    out: list[list[int]] = []
+    total = 0
+    for i, n in enumerate(lengths):
+        if not out or total + n > max_tokens:
+            out.append([])
+            total = 0
+        out[-1].append(i)
+        total += n
+    return out

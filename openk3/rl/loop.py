@@ -117,8 +117,9 @@ class RLTrainer:
         self.layout.parallelize(self.model)
         # The router biases stay as they are during RL (no balancing); the Balancer only carries the checkpoint
         # format's balancing state, so `k3 generate/serve/export --ckpt RUN` read RL runs like training runs.
-        self.core = TrainCore(self.model, self.layout, None, balancer=Balancer(self.model, "none"),
-                              grad_clip=cfg.grad_clip, precision=cfg.precision)  # fmt: skip
+        balancer = Balancer(self.model, "none", process_group=self.layout.data_group)
+        self.core = TrainCore(self.model, self.layout, None, balancer=balancer, grad_clip=cfg.grad_clip,
+                              precision=cfg.precision)  # fmt: skip
         # The KL reference: the policy at the start of RL (after the warm start), made at the first update and kept in
         # `out/reference` so a resumed run reads the same weights back (`_kl_reference`).
         self.reference = None

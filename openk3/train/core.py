@@ -82,8 +82,9 @@ class TrainCore:
              norm: Normalizers | None = None, balance: bool = False, probe=None) -> dict:  # fmt: skip
         """One optimizer step on this rank's `micro_batches` (every rank passes the same number of them; pad with
         TokenBatch.padding_batch()) with the registered loss `loss`. Returns: loss (the step's, summed over ranks),
-        grad_norm (before clipping), skipped (non-finite), the loss's metrics and, when `balance`, the balancer's
-        ("balance") and what `probe(model)` read of the gradients before clipping ("probe")."""
+        grad_norm (before clipping), skipped (non-finite), for the policy losses their whole-step metrics, when
+        `balance` the balancer's ("balance"), and what `probe(model)` read of the gradients before clipping
+        ("probe")."""
         fn, cfg = get_loss(loss), cfg or LossConfig()
         norm = norm or self.normalizers(micro_batches)
         self.set_lr(lr)

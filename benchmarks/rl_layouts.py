@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     for layout, r in results.items():
         md.append(f"| {layout} | {r['step_s']:.2f} | {r['rollout_tokens_per_s']:.0f} | {r['inference_share']:.0%} | "
                   f"{r['sandbox_share']:.1%} | {r['train_share']:.0%} | {r['wall_s']:.0f} |")  # fmt: skip
-    md += ["", "Losses per step (each layout samples its own rollouts; a fresh policy solves nothing, so its group "
-           "advantages and losses are 0: this benchmark measures time, the tests measure equality):", ""]
+    md += ["", ("Losses per step (each layout samples its own rollouts; a fresh policy solves nothing, so its group "
+                "advantages and losses are 0: this benchmark measures time, the tests measure equality):"), ""]
     md += [f"- {layout}: {', '.join(f'{v:.4g}' for v in r['losses'])}" for layout, r in results.items()]
     write_report({"machine": info, "settings": vars(args), "layouts": results}, args.out, "\n".join(md) + "\n")
     return 0

@@ -171,17 +171,25 @@ def load_distributed(model: nn.Module, path: str, mesh: DeviceMesh | None, dims:
     set_optimizer_state_dict(model, optimizers, opt)
 
 
+def full_tensors(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims):
+    """(name, whole tensor) of the laid-out `model`'s state, one at a time: an FSDP2 shard gathered with
+    `full_tensor`, EP experts all-gathered over the ep group, the rest as they are. Every rank must iterate all of it
+    (the gathers are collectives); a caller that copies each tensor away holds one whole tensor at a time."""
+    ep_group = mesh["ep"].get_group() if mesh is not None and dims.ep > 1 else None
+    for name, t in model.state_dict().items():
+        if isinstance(t, DTensor):
+            yield name, t.full_tensor()
+        elif ep_group is not None and ".experts.w" in name:
+            parts = [torch.empty_like(t) for _ in range(dims.ep)]
+            dist.all_gather(parts, t.detach().contiguous(), group=ep_group)
+            yield name, torch.cat(parts)
+        else:
+            yield name, t.detach()
+
+
 def full_state_dict(model: nn.Module, mesh: DeviceMesh | None, dims: ParallelDims) -> dict[str, torch.Tensor]:
     """The whole model as plain tensors on every rank, for tests at tiny sizes (checkpoints never gather)."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    if mesh is not None and dims.ep > 1:
-        group = mesh["ep"].get_group()
-        for name, p in model.named_parameters():
-            if ".experts.w" in name:
-                parts = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
-                dist.all_gather(parts, p.detach().contiguous(), group=group)
-                state[name] = torch.cat(parts)
-    return state
+    return dict(full_tensors(model, mesh, dims))
 
 
 def storage_problem(path: str, required: tuple[str, ...] = ()) -> str | None:

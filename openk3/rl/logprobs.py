@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from openk3.model.batch import ForwardBatch
+from openk3.train.batch import packed_routes
 
 
 def sequence_logprobs(
@@ -85,26 +86,3 @@ def _packed_log_softmax(model, sequences, routed_experts, temperature):
     batch = ForwardBatch.from_lengths(inputs_T, [fed[i] for i in keep], routed_experts=routes_TMk)
     logp_TV = torch.log_softmax(model.forward_batch(batch).float() / temperature, dim=-1)
     return logp_TV, targets_T, keep, fed
-
-
-def packed_routes(
-    routed_experts: list[torch.Tensor | None], fed: list[int], device: torch.device
-) -> torch.Tensor | None:
-    """Each sequence's routes cut to its `fed` positions and packed: [T, M, k] int64, or None when every entry is
-    None."""
-    if len(routed_experts) != len(fed):
-        raise ValueError(f"routed_experts has {len(routed_experts)} entries for {len(fed)} sequences")
-    given = [r is not None for r in routed_experts]
-    if not any(given):
-        return None
-    if not all(given):
-        missing = [i for i, g in enumerate(given) if not g]
-        raise ValueError(f"routed_experts is None for sequences {missing} but given for others: mixed replay and "
-                         "natural routing in one forward is not supported")  # fmt: skip
-    rows = []
-    for i, (r_PMk, n) in enumerate(zip(routed_experts, fed)):
-        if r_PMk.dim() != 3 or r_PMk.shape[0] < n:
-            raise ValueError(f"routed_experts[{i}] must be [>= {n}, M, k] for a sequence of {n + 1} tokens, got "
-                             f"shape {tuple(r_PMk.shape)}")  # fmt: skip
-        rows.append(r_PMk[:n].to(device=device, dtype=torch.long))
-    return torch.cat(rows)

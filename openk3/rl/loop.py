@@ -69,7 +69,7 @@ from openk3.train.core import NonFiniteError, TrainCore
 from openk3.train.distributed import Layout
 from openk3.train.losses import LossConfig
 from openk3.train.optim import param_groups, stable_then_decay
-from openk3.train.trainer import _metrics_step, _StopSignals, resolve_device
+from openk3.train.trainer import _StopSignals, resolve_device, truncate_metrics
 from openk3.utils import read_json, release_freed_memory
 
 WARM_SAVE_EVERY = 100  # warm-start steps between checkpoints (and one at the end of each phase)
@@ -93,7 +93,8 @@ class RLTrainer:
         self.cfg = cfg
         if cfg.cp > 1:  # TODO(issue 49): context-parallel post-training (shard the packed trajectories' positions)
             raise ValueError("--cp > 1: post-training runs data- and expert-parallel only (--dp, --ep) for now")
-        num_experts = self._described_model().text_config.num_experts
+        described = self._described_model()
+        num_experts = described.text_config.num_experts
         if num_experts % cfg.ep:
             raise ValueError(f"--ep {cfg.ep} must divide the model's {num_experts} routed experts")
         self.layout = Layout.of(cfg.dp, cfg.ep, cfg.cp, resolve_device(cfg.device))
@@ -111,7 +112,7 @@ class RLTrainer:
         else:
             self.model, self.tokenizer = self._fresh_policy()
         if ckpt is not None:
-            self._check_model_config(ckpt)
+            self._check_model_config(ckpt, described)
         self._check_sources()  # before any work starts and before anything in --out is written
         self.model.to(self.layout.device).train()
         self.layout.parallelize(self.model)
@@ -230,9 +231,8 @@ class RLTrainer:
         cfg = self.cfg
         return K3Config.from_pretrained(resolve_checkpoint(cfg.init)) if cfg.init else K3Config.preset(cfg.preset)
 
-    def _check_model_config(self, ckpt: str) -> None:
-        """A resumed run's checkpoint must hold the model this command describes."""
-        want = self._described_model()
+    def _check_model_config(self, ckpt: str, want: K3Config) -> None:
+        """A resumed run's checkpoint must hold the model this command describes (`want`)."""
         source = f"--init {self.cfg.init}" if self.cfg.init else f"--preset {self.cfg.preset}"
         have, theirs = dataclasses.asdict(self.model.text_config), dataclasses.asdict(want.text_config)
         diff = [f"{k} {have[k]} (checkpoint) vs {theirs[k]}" for k in sorted(have) if have[k] != theirs.get(k)]
@@ -586,7 +586,7 @@ class RLTrainer:
         ckpt = latest_checkpoint(cfg.out)
         if ckpt is None:
             self.log(f"{self.command}: {cfg.out} has no complete checkpoint; starting from step 0")
-            _truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), -1)
+            truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), -1)
         return ckpt
 
     def _load_state(self, ckpt: str) -> None:
@@ -602,7 +602,7 @@ class RLTrainer:
         if "copies" in state:
             self.copies.load_state_dict(state["copies"])
         self._load_extra_state(state)
-        _truncate_metrics(os.path.join(self.cfg.out, "metrics.jsonl"), self.step)
+        truncate_metrics(os.path.join(self.cfg.out, "metrics.jsonl"), self.step)
         self.log(f"{self.command}: resumed {self.cfg.out} at step {self.step} from {ckpt}")
         if self.cfg.lr_decay_steps:
             self.log(f"{self.command}: the rate of the next update is {self.rate(self.step):.3g} (--lr {self.cfg.lr:g}, "
@@ -617,19 +617,6 @@ def _task_index(seed: int, group: int) -> int:
 def _gap(a_T: torch.Tensor, b_T: torch.Tensor, mask_T: torch.Tensor) -> float:
     """Mean |a - b| over the masked tokens (0 when none)."""
     return float((a_T - b_T)[mask_T].abs().mean()) if mask_T.any() else 0.0
-
-
-def _truncate_metrics(path: str, step: int) -> None:
-    """Drop metric lines past `step` (a resumed run repeats them) and a line a kill cut short; the file is replaced
-    atomically."""
-    if not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f if line.endswith("\n") and _metrics_step(line) <= step]
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(lines)
-    os.replace(tmp, path)
 
 
 def _progress(total: int, initial: int, enabled: bool, desc: str):

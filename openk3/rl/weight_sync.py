@@ -21,7 +21,6 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from openk3.rl.rollout import RolloutStats, Trajectory
 from openk3.train.distributed import Layout
@@ -98,16 +97,7 @@ class Sync:
 
     def full_tensors(self, model: torch.nn.Module):
         """(name, whole tensor) of the laid-out `model`'s state, one at a time; every rank must iterate all of it."""
-        ep_group = self.layout.mesh["ep"].get_group() if self.layout.dims.ep > 1 else None
-        for name, t in model.state_dict().items():
-            if isinstance(t, DTensor):
-                yield name, t.full_tensor()
-            elif ep_group is not None and ".experts.w" in name:
-                parts = [torch.empty_like(t) for _ in range(self.layout.dims.ep)]
-                dist.all_gather(parts, t.detach().contiguous(), group=ep_group)
-                yield name, torch.cat(parts)
-            else:
-                yield name, t.detach()
+        return self.layout.full_tensors(model)
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, engine, version: int) -> None:

@@ -62,12 +62,7 @@ class TokenBatch:
         targets_T = torch.tensor([t for s in sequences for t in s[1:]], dtype=torch.long)
         mask_T = torch.tensor([m for mask in masks for m in mask[1:]], dtype=torch.bool)
         packed = {name: torch.cat(list(parts)) for name, parts in (fields or {}).items()}
-        routes_TMk = None
-        if routes is not None:
-            for i, (r_PMk, n) in enumerate(zip(routes, lengths)):
-                if r_PMk.dim() != 3 or r_PMk.shape[0] < n:
-                    raise ValueError(f"routed experts of sequence {i} must be [>= {n}, M, k], got {tuple(r_PMk.shape)}")
-            routes_TMk = torch.cat([r_PMk[:n].to(torch.long) for r_PMk, n in zip(routes, lengths)])
+        routes_TMk = None if routes is None else packed_routes(routes, lengths)
         return cls(targets_T, mask_T, lengths, input_ids_T, routes_TMk, packed)
 
     @classmethod
@@ -96,6 +91,28 @@ class TokenBatch:
         return TokenBatch(torch.cat([b.targets_T for b in batches]), torch.cat([b.loss_mask_T for b in batches]),
                           [n for b in batches for n in b.lengths],
                           fields={k: torch.cat([b.fields[k] for b in batches]) for k in sorted(names)})  # fmt: skip
+
+
+def packed_routes(routed_experts: list[torch.Tensor | None], fed: list[int],
+                  device: torch.device | str = "cpu") -> torch.Tensor | None:  # fmt: skip
+    """Each sequence's recorded routes cut to its `fed` positions and packed: [T, M, k] int64 on `device`, or None
+    when every entry is None (natural routing). Replay is all or nothing: a mix raises ValueError."""
+    if len(routed_experts) != len(fed):
+        raise ValueError(f"routed_experts has {len(routed_experts)} entries for {len(fed)} sequences")
+    given = [r is not None for r in routed_experts]
+    if not any(given):
+        return None
+    if not all(given):
+        missing = [i for i, g in enumerate(given) if not g]
+        raise ValueError(f"routed_experts is None for sequences {missing} but given for others: mixed replay and "
+                         "natural routing in one forward is not supported")  # fmt: skip
+    rows = []
+    for i, (r_PMk, n) in enumerate(zip(routed_experts, fed)):
+        if r_PMk.dim() != 3 or r_PMk.shape[0] < n:
+            raise ValueError(f"routed_experts[{i}] must be [>= {n}, M, k] for a sequence of {n + 1} tokens, got "
+                             f"shape {tuple(r_PMk.shape)}")  # fmt: skip
+        rows.append(r_PMk[:n].to(device=device, dtype=torch.long))
+    return torch.cat(rows)
 
 
 def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from openk3.model.batch import ForwardBatch
+from openk3.parallel.checkpoint import full_tensors
 from openk3.parallel.dims import ParallelDims
 from openk3.parallel.parallelize import expert_parameters, parallelize, sync_expert_grads
 from openk3.parallel.watchdog import bound_subgroup_timeouts, collective_watchdog  # re-exported: rl launches too
@@ -98,6 +99,10 @@ class Layout:
         shard = fb.context_parallel  # the ShardLayout this batch carries: where this rank's positions sit
         start, n = shard.start, shard.lengths[self.cp.rank]
         return fb, labels[:, start : start + n], float(self.world)
+
+    def full_tensors(self, model):
+        """(name, whole tensor) of `model` laid out here, one at a time (parallel/checkpoint.py full_tensors)."""
+        return full_tensors(model, self.mesh, self.dims)
 
     def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:

@@ -285,16 +285,8 @@ class Trainer:
             f.write(json.dumps(row) + "\n")
 
     def _truncate_metrics(self, step: int) -> None:
-        """Drop lines past the resumed step (written after the checkpoint by the interrupted run), and a line cut
-        short by a kill."""
-        if not self.layout.is_main or not os.path.exists(self._metrics_path):
-            return
-        with open(self._metrics_path, encoding="utf-8") as f:
-            rows = [line for line in f if _metrics_step(line) <= step]
-        tmp = self._metrics_path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(rows)
-        os.replace(tmp, self._metrics_path)
+        if self.layout.is_main:
+            truncate_metrics(self._metrics_path, step)
 
 
 class _StopSignals:
@@ -334,6 +326,19 @@ def _holds_run(run_dir: str) -> bool:
     """Whether `run_dir` holds a started run. (Not train_config.json: one process of a multi-process run may write it
     before another has looked.)"""
     return any(os.path.exists(os.path.join(run_dir, name)) for name in ("checkpoints", "metrics.jsonl"))
+
+
+def truncate_metrics(path: str, step: int) -> None:
+    """Drop the lines of metrics file `path` past `step` (written after the checkpoint a run resumes from) and a line
+    cut short by a kill; the file is replaced atomically."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        rows = [line for line in f if _metrics_step(line) <= step]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(rows)
+    os.replace(tmp, path)
 
 
 def _metrics_step(line: str) -> float:

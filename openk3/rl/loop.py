@@ -586,7 +586,8 @@ class RLTrainer:
         ckpt = latest_checkpoint(cfg.out)
         if ckpt is None:
             self.log(f"{self.command}: {cfg.out} has no complete checkpoint; starting from step 0")
-            truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), -1)
+            if self.sync.is_main:  # the one process that writes the run's files
+                truncate_metrics(os.path.join(cfg.out, "metrics.jsonl"), -1)
         return ckpt
 
     def _load_state(self, ckpt: str) -> None:
@@ -602,7 +603,8 @@ class RLTrainer:
         if "copies" in state:
             self.copies.load_state_dict(state["copies"])
         self._load_extra_state(state)
-        truncate_metrics(os.path.join(self.cfg.out, "metrics.jsonl"), self.step)
+        if self.sync.is_main:  # several ranks rewriting it through one temporary file would race
+            truncate_metrics(os.path.join(self.cfg.out, "metrics.jsonl"), self.step)
         self.log(f"{self.command}: resumed {self.cfg.out} at step {self.step} from {ckpt}")
         if self.cfg.lr_decay_steps:
             self.log(f"{self.command}: the rate of the next update is {self.rate(self.step):.3g} (--lr {self.cfg.lr:g}, "

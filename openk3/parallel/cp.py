@@ -186,6 +186,23 @@ class ContextParallel:
     def gather(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         return _AllGather.apply(x, self.group, self.counter, kind)
 
+    def sum(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        """The sum of every rank's equal-shaped `x` (an all-reduce through autograd: each rank's gradient is the
+        sum of every rank's gradient of the result). The training losses' per-sequence sums on shards use it."""
+        return self.gather(x, kind).sum(0)
+
+    @torch.no_grad()
+    def gather_positions(self, x_T: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """The whole row back from its shards (no gradient): rank r's `x_T` holds positions of shard r, `lengths`
+        the shard lengths (they may differ by one)."""
+        if x_T.shape[0] != lengths[self.rank]:
+            raise ValueError(f"this rank holds {x_T.shape[0]} positions, its shard has {lengths[self.rank]}")
+        longest = max(lengths)
+        padded = torch.cat([x_T, x_T.new_zeros(longest - x_T.shape[0], *x_T.shape[1:])]).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
+        dist.all_gather(parts, padded, group=self.group)
+        return torch.cat([part[:n] for part, n in zip(parts, lengths)])
+
     def shard(self, input_ids_RL: torch.Tensor, doc_lens: list[list[int]]) -> ForwardBatch:
         """Global rows of packed documents -> this rank's ForwardBatch: its contiguous time slice of every row, the
         documents cut at the shard edges, carrying its `ShardLayout` (`batch.context_parallel`)."""

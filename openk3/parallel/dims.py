@@ -2,7 +2,7 @@
 
     dp  data parallel: ranks see different sequences; dense parameters FSDP2-sharded
     ep  expert parallel: ranks see different sequences too, and own E / ep experts each (parallel/ep.py)
-    cp  context parallel: ranks hold contiguous shards of the same sequences (not built yet)
+    cp  context parallel: ranks hold contiguous shards of the same sequences (parallel/cp.py)
 
 The product is the world size. `--batch-size` stays the global batch, so every layout trains on the same data for a
 given seed; each rank takes batch / (dp * ep) sequences.

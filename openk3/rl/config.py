@@ -91,7 +91,8 @@ class RLConfig:
                           "--ep and --cp", launch=True)  # fmt: skip
     ep: int = flag(1, "expert-parallel degree of the update (experts split over ranks, all-to-all dispatch)",
                    launch=True)  # fmt: skip
-    cp: int = flag(1, "context-parallel degree (only 1 for now)", launch=True)
+    cp: int = flag(1, "context-parallel degree of the update (each trajectory's positions split over ranks)",
+                   launch=True)  # fmt: skip
     max_num_batched_tokens: int = flag(4096, "the rollout engine's token budget per step")
     cache_memory_mb: int = flag(256, "the rollout engine's KV/state cache memory, MiB")
     max_model_len: int = flag(2048, "the rollout engine's longest sequence (prompt + episode), tokens")

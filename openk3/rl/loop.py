@@ -48,8 +48,9 @@ from openk3.rl.envs import get_family
 from openk3.rl.evaluate import SUCCESS, episode_results, held_out_episodes, summarize
 from openk3.rl.logprobs import sequence_logprobs
 from openk3.rl.rollout import RolloutStats, RolloutWorker, Trajectory
-from openk3.rl.sft import COPY_BATCH, CopyStream, DemoStream, fresh_policy
+from openk3.rl.sft import CopyStream, DemoStream, fresh_policy
 from openk3.rl.teachers import TeacherKey
+from openk3.rl.warm_start import WarmStart, progress_bar
 from openk3.rl.weight_sync import Sync
 from openk3.serve.config import CheckpointPolicy, ServeConfig
 from openk3.serve.engine import LLMEngine
@@ -58,7 +59,6 @@ from openk3.train.batch import TokenBatch, micro_batches
 from openk3.train.checkpoint import (
     CHECKPOINTS,
     OPTIMIZER_CHANGES,
-    TRAINER_STATE,
     build_model,
     describe_changes,
     latest_checkpoint,
@@ -68,11 +68,10 @@ from openk3.train.checkpoint import (
 from openk3.train.core import NonFiniteError, TrainCore
 from openk3.train.distributed import Layout
 from openk3.train.losses import LossConfig
-from openk3.train.optim import param_groups, stable_then_decay
+from openk3.train.optim import stable_then_decay
 from openk3.train.trainer import _StopSignals, resolve_device, truncate_metrics
-from openk3.utils import read_json, release_freed_memory
+from openk3.utils import release_freed_memory
 
-WARM_SAVE_EVERY = 100  # warm-start steps between checkpoints (and one at the end of each phase)
 REFERENCE = "reference"  # the run's KL reference (the policy at the start of RL), a release-format folder
 
 
@@ -84,15 +83,13 @@ def engine_config(cfg: RLConfig, max_seqs: int) -> ServeConfig:
                        record_routed_experts=True, cache_memory_bytes=cfg.cache_memory_mb * 2**20)  # fmt: skip
 
 
-class RLTrainer:
+class RLTrainer(WarmStart):
     command = "k3 rl"  # how log lines name the run
 
     def __init__(self, cfg: RLConfig, log=print, fleet=None):
         """The run `cfg` in this process: a world of 1, or one rank of the process group it was started in, laid
         out by cfg.dp x cfg.ep x cfg.cp."""
         self.cfg = cfg
-        if cfg.cp > 1:  # TODO(issue 49): context-parallel post-training (shard the packed trajectories' positions)
-            raise ValueError("--cp > 1: post-training runs data- and expert-parallel only (--dp, --ep) for now")
         described = self._described_model()
         num_experts = described.text_config.num_experts
         if num_experts % cfg.ep:
@@ -179,7 +176,7 @@ class RLTrainer:
         if self.step == 0:
             last = self._write({"step": 0, **self.evaluate()})
         end = cfg.steps if cfg.stop_after is None else min(cfg.steps, self.step + cfg.stop_after)
-        bar = _progress(end, self.step, cfg.progress and self.sync.is_main, f"{self.command}: rl")
+        bar = progress_bar(end, self.step, cfg.progress and self.sync.is_main, f"{self.command}: rl")
         try:
             while self.step < end:
                 row = self.train_step()
@@ -242,76 +239,6 @@ class RLTrainer:
 
     def _check_sources(self) -> None:
         """Check what the run reads besides the policy (distillation: its teachers); a named error before any work."""
-
-    # ---- SFT warm start ----------------------------------------------------------------------------------------
-    def _warm_phase_left(self, ckpt: str | None) -> bool:
-        """Whether the run (resumed from `ckpt`) is still in its warm start."""
-        done = read_json(os.path.join(ckpt, TRAINER_STATE)) if ckpt is not None else {}
-        return done.get("copy_done", 0) < self.cfg.copy_steps or done.get("sft_done", 0) < self.cfg.sft_steps
-
-    def _optimizer(self, warm: bool):
-        """AdamW of the warm start (no weight decay, --sft-lr) or of RL; foreach off: a fixed update order."""
-        cfg = self.cfg
-        return torch.optim.AdamW(param_groups(self.model, 0.0 if warm else cfg.weight_decay),
-                                 lr=cfg.sft_lr if warm else cfg.lr, betas=(0.9, 0.95), foreach=False)  # fmt: skip
-
-    @property
-    def optimizer(self):
-        return self.core.optimizer
-
-    def warm_start(self) -> None:
-        """Copy pre-training (`copy_steps`, for a fresh policy: sft.CopyStream), then SFT on demonstrations
-        (`sft_steps`), one AdamW, the `lm` loss on the core; each phase's progress is counted, so a resumed run
-        skips what is done. RL then starts with fresh optimizer moments."""
-        cfg = self.cfg
-        t0 = time.perf_counter()
-        # Constant rate for the copy phase: the induction phase change needs the full rate (sft.py).
-        self.copy_done = self._supervised("copy", self.copy_done, cfg.copy_steps, lambda: self.copies.batch(COPY_BATCH),
-                                          lambda f: 1.0)  # fmt: skip
-        # Linear decay to a tenth: the last steps settle the policy RL starts from.
-        if self.stopped_by is None:
-            self.sft_done = self._supervised("sft", self.sft_done, cfg.sft_steps,
-                                             lambda: self.demos.batch(cfg.sft_batch_size), lambda f: 1 - 0.9 * f)  # fmt: skip
-        if self.stopped_by is not None:
-            return
-        self.core.optimizer = self._optimizer(warm=False)
-        release_freed_memory()
-        self._publish(force=True)
-        self.log(f"{self.command}: warm start: {cfg.copy_steps} copy + {cfg.sft_steps} SFT steps in "
-                 f"{time.perf_counter() - t0:.0f} s")  # fmt: skip
-
-    def _supervised(self, phase: str, done: int, total: int, batch, schedule) -> int:
-        """Steps of `phase` ("copy" or "sft") from `done` up to `total`: cross-entropy on each batch's masked tokens
-        (every rank draws the same batch and trains on its share of its examples), the rate
-        `sft_lr * schedule(done / total)`; a line in sft.jsonl every 20 steps and at the end. Returns the steps
-        done."""
-        cfg = self.cfg
-        bar = _progress(total, done, cfg.progress and self.sync.is_main, f"{self.command}: {phase}")
-        t0 = time.perf_counter()
-        while done < total:
-            examples = batch()
-            lo, hi = self.sync.share(len(examples))
-            mine = examples[lo:hi]
-            mbs = [TokenBatch.from_sequences([ids for ids, _ in mine], [mask for _, mask in mine])] if mine else []
-            mbs += [TokenBatch.padding_batch()] * (self.sync.max_over_ranks(len(mbs)) - len(mbs))
-            out = self.core.step(mbs, "lm", cfg.sft_lr * schedule(done / total))
-            n = sum(sum(mask[1:]) for _, mask in examples)
-            done += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{out['loss']:.3f}")
-            setattr(self, f"{phase}_done", done)
-            stopping = self._stopping()
-            if done % WARM_SAVE_EVERY == 0 or done == total or stopping:  # a stopped warm start resumes in its phase
-                path = self.save()
-            if stopping:
-                bar.close()
-                self._report_stop(path)
-                return done
-            if done % 20 == 0 or done == total:
-                self._write({f"{phase}_step": done, f"{phase}_loss": out["loss"], f"{phase}_tokens": n,
-                             "elapsed_s": time.perf_counter() - t0}, metrics_file="sft.jsonl")  # fmt: skip
-        bar.close()
-        return done
 
     # ---- one RL step -------------------------------------------------------------------------------------------
     def _new_trajectories(self) -> list[Trajectory]:
@@ -414,8 +341,12 @@ class RLTrainer:
                     others.append(torch.cat(sequence_logprobs(self.engine.model, seqs, other)))
         batches += [TokenBatch.padding_batch()] * (self.sync.max_over_ranks(len(batches)) - len(batches))
         row = self.core.step(batches, self.loss_name, self.rate(self.step), self.loss_config)
-        # Per token t >= 1 of each sequence, over every rank's trajectories in order (logps[i][t-1] scores token t).
-        old_T, other_T = self.sync.gather_tensors([self.core.last_logp_T, torch.cat(others) if others else None])
+        # Per token t >= 1 of each sequence, over every rank's trajectories in order (logps[i][t-1] scores token t);
+        # the core gathered the update's log-probs already when its loss reports whole-step metrics.
+        old_T = self.core.step_logp_T
+        if old_T is None:
+            (old_T,) = self.sync.gather_tensors([self.core.last_logp_T])
+        other_T = self.sync.gather_tensors([torch.cat(others) if others else None])[0] if check_other else None
         mask_T = torch.tensor([g for t in trajs for g in t.generated[1:]], dtype=torch.bool)
         rollout_T = torch.tensor([lp for t in trajs for lp in t.logprobs[1:]], dtype=torch.float32)
         version_T = torch.tensor([v for t in trajs for v in t.versions[1:]])
@@ -619,12 +550,3 @@ def _task_index(seed: int, group: int) -> int:
 def _gap(a_T: torch.Tensor, b_T: torch.Tensor, mask_T: torch.Tensor) -> float:
     """Mean |a - b| over the masked tokens (0 when none)."""
     return float((a_T - b_T)[mask_T].abs().mean()) if mask_T.any() else 0.0
-
-
-def _progress(total: int, initial: int, enabled: bool, desc: str):
-    from openk3.train.trainer import _progress as train_progress
-
-    bar = train_progress(total, initial, enabled)
-    if enabled:
-        bar.set_description(desc)
-    return bar

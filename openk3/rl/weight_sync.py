@@ -4,10 +4,11 @@ One process is a world of 1 (`Sync(Layout.single())`): nothing is sent, and publ
 tensors into the engine's model in place (`LLMEngine.update_weights`, which bumps the engine's version and
 invalidates its prefix cache).
 
-N processes (a torch.distributed group, gloo on CPU, NCCL on CUDA), laid out dp x ep like `k3 train`: every rank
-runs rollouts with its own engine (a whole copy of the policy) and trains on its share of the step's trajectories
-with the sharded policy. Finished trajectories and per-rank statistics go to every rank with `all_gather_object` (in
-rank order, so every rank forms the same batch and the same advantages); rank r trains on `share(n)`. The new
+N processes (a torch.distributed group, gloo on CPU, NCCL on CUDA), laid out dp x ep x cp like `k3 train`: every
+rank runs rollouts with its own engine (a whole copy of the policy) and trains on its data rank's share of the step's
+trajectories with the sharded policy (the cp ranks of a data rank each take a piece of its packed positions).
+Finished trajectories and per-rank statistics go to every rank with `all_gather_object` (in rank order, so every
+rank forms the same batch and the same advantages); data rank r trains on `share(n)`. The new
 weights reach every engine from the sharded parameters one tensor at a time (an FSDP2 shard gathered with
 `full_tensor`, EP experts with an all-gather over the ep group) and are copied into the engine's tensor before the
 next is gathered: no rank holds the whole model beyond its engine's copy.
@@ -74,11 +75,18 @@ class Sync:
         return [t for part in self._gather(sendable) for t in part]
 
     def gather_tensors(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Each of this rank's per-token `tensors` concatenated over the ranks in rank order (None stays None)."""
+        """Each of this data rank's per-token `tensors` (on its `share` of the trajectories) concatenated over the
+        data ranks in order (None where every rank sent None); the cp ranks of a data rank hold the same tensors,
+        and its first sends them."""
         if self.world == 1:
             return tensors
-        parts = self._gather([None if t is None else t.detach().cpu() for t in tensors])
-        return [None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(len(tensors))]
+        mine = [None if t is None else t.detach().cpu() for t in tensors] if self.layout.is_data_leader else None
+        parts = [p for p in self._gather(mine) if p is not None]
+        out = []
+        for i in range(len(tensors)):
+            given = [p[i] for p in parts if p[i] is not None]  # a rank with no trajectories sends None
+            out.append(torch.cat(given) if given else None)
+        return out
 
     def gather_stats(self, stats: RolloutStats) -> RolloutStats:
         """The ranks' rollout statistics: counts summed, times of the slowest rank (they ran side by side)."""

@@ -19,7 +19,9 @@ Legend: T packed positions, S sequences, M MoE layers, k experts per token (rout
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,11 +39,29 @@ class TokenBatch:
     prebuilt: ForwardBatch | None = None  # a pre-training row batch, as the layout cut it (context parallel)
     model_inputs: dict | None = None  # vision batches: `model(**model_inputs).logits` is [R, L, V]
     padding: bool = False  # TokenBatch.padding_batch(): counts for nothing
+    # A context-parallel shard (`context_shard`): `lengths` are the pieces of sequences this rank holds,
+    # `sequence_ids` the sequence (of the whole batch's `num_sequences`) of each piece, `context_parallel` the
+    # ShardLayout whose group holds the other pieces, `first_mask_T` the first loss position of each whole sequence.
+    sequence_ids: list[int] | None = None
+    num_sequences: int | None = None
+    context_parallel: Any = None
+    first_mask_T: torch.Tensor | None = None
 
     @property
     def seq_T(self) -> torch.Tensor:
         """The sequence (0..S-1) of every position."""
-        return torch.repeat_interleave(torch.arange(len(self.lengths)), torch.tensor(self.lengths, dtype=torch.long))
+        ids = torch.arange(len(self.lengths)) if self.sequence_ids is None else torch.tensor(self.sequence_ids)
+        return torch.repeat_interleave(ids, torch.tensor(self.lengths, dtype=torch.long))
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks hold each sequence (a piece each): a per-sequence value computed from `reduce_sequences`
+        is the same on all of them."""
+        return 1 if self.context_parallel is None else self.context_parallel.cp.world
+
+    def reduce_sequences(self, x_S: torch.Tensor) -> torch.Tensor:
+        """Per-sequence partial sums [S] of this rank's pieces -> the whole sequences' sums (through autograd)."""
+        return x_S if self.context_parallel is None else self.context_parallel.cp.sum(x_S, "sequence_sums")
 
     @property
     def num_positions(self) -> int:
@@ -66,11 +86,33 @@ class TokenBatch:
         return cls(targets_T, mask_T, lengths, input_ids_T, routes_TMk, packed)
 
     @classmethod
-    def padding_batch(cls) -> TokenBatch:
-        """One position that counts for nothing: a rank with fewer micro-batches than the others runs it, so every
+    def padding_batch(cls, positions: int = 1) -> TokenBatch:
+        """Positions that count for nothing: a rank with fewer micro-batches than the others runs them, so every
         rank makes the same collectives (expert all-to-alls, FSDP gathers) in the same order."""
-        zero = torch.zeros(1, dtype=torch.long)
-        return cls(zero, torch.zeros(1, dtype=torch.bool), [1], zero, padding=True)
+        zero = torch.zeros(positions, dtype=torch.long)
+        return cls(zero, torch.zeros(positions, dtype=torch.bool), [positions], zero, padding=True)
+
+    def context_shard(self, cp, device: torch.device) -> TokenBatch:
+        """This rank's contiguous piece of the packed positions over the context-parallel group `cp`
+        (parallel/cp.py ContextParallel.shard: the sequences are the documents of one row), with its fields, routes
+        and the first loss position of every sequence cut alike; the model runs it through `prebuilt`."""
+        fb = cp.shard(self.input_ids_T[None].to(device), [self.lengths])
+        lay = fb.context_parallel
+        start, end = lay.start, lay.start + lay.lengths[cp.rank]
+        if self.routed_experts_TMk is not None:
+            fb.routed_experts = self.routed_experts_TMk[start:end].to(device)
+        bounds = [0, *itertools.accumulate(self.lengths)]
+        ids = [i for i, (a, b) in enumerate(itertools.pairwise(bounds)) if a < end and b > start]
+        # A sequence's first loss position, found on the whole batch: a piece cannot tell whether an earlier one has it.
+        seq_T, mask_T, T = self.seq_T, self.loss_mask_T.cpu(), self.loss_mask_T.numel()
+        idx = torch.nonzero(mask_T).squeeze(-1)
+        first_S = torch.full((len(self.lengths),), T).scatter_reduce(0, seq_T[idx], idx, "amin")
+        first_T = torch.zeros(T + 1, dtype=torch.bool).index_fill(0, first_S, True)[:T]  # slot T: no loss position
+        cut = slice(start, end)
+        return TokenBatch(self.targets_T[cut], self.loss_mask_T[cut], fb.seq_lens, None, None,
+                          {k: v[cut] for k, v in self.fields.items()}, prebuilt=fb, padding=self.padding,
+                          sequence_ids=ids, num_sequences=len(self.lengths), context_parallel=lay,
+                          first_mask_T=first_T[cut].to(device))  # fmt: skip
 
     def forward_batch(self, device: torch.device) -> ForwardBatch:
         if self.prebuilt is not None:
@@ -80,9 +122,11 @@ class TokenBatch:
 
     def to(self, device: torch.device) -> TokenBatch:
         """The per-token tensors the loss reads on `device` (the fed tokens and routes move in forward_batch)."""
+        first = None if self.first_mask_T is None else self.first_mask_T.to(device)
         return TokenBatch(self.targets_T.to(device), self.loss_mask_T.to(device), self.lengths, self.input_ids_T,
                           self.routed_experts_TMk, {k: v.to(device) for k, v in self.fields.items()}, self.prebuilt,
-                          self.model_inputs, self.padding)  # fmt: skip
+                          self.model_inputs, self.padding, self.sequence_ids, self.num_sequences,
+                          self.context_parallel, first)  # fmt: skip
 
     @staticmethod
     def cat(batches: list[TokenBatch]) -> TokenBatch:

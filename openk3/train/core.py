@@ -4,7 +4,8 @@ owns everything after that:
 
     step(micro_batches, loss, lr):
         1. the rate: `lr * lr_scale` into every parameter group
-        2. each micro-batch: forward (bf16 autocast when `precision` asks for it), the named loss from the registry
+        2. each micro-batch (on a cp rank its piece of the positions: `Layout.local_tokens`): forward (bf16
+           autocast when `precision` asks for it), the named loss from the registry
            (train/losses.py) divided by the step's totals (`Normalizers`, summed over micro-batches and ranks), then
            backward of loss x world (FSDP2 averages gradients over the ranks: this makes the sum)
         3. the step's loss summed over ranks; the gradient norm clipped by the layout (FSDP shards, EP experts)
@@ -54,7 +55,11 @@ class TrainCore:
         self.device = layout.device
         self.bf16 = use_bf16(precision, self.device)
         self.nonfinite_total, self.nonfinite_run, self.tokens_seen = 0, 0, 0
-        self.last_logp_T: torch.Tensor | None = None  # this rank's detached log-probs of the last policy step
+        # The detached log-probs of this rank's micro-batches (whole: a cp rank's gathered) at the last policy step.
+        self.last_logp_T: torch.Tensor | None = None
+        # The same over every data rank, in rank order, when the last step gathered them for its whole-step metrics
+        # (drivers read it instead of gathering again); None otherwise.
+        self.step_logp_T: torch.Tensor | None = None
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
@@ -75,8 +80,8 @@ class TrainCore:
             per_seq = [bool(part.any()) for part in mb.loss_mask_T.split(mb.lengths)]
             counts += torch.tensor([float(mb.loss_mask_T.sum()), float(sum(per_seq))], dtype=torch.float64,
                                    device=self.device)  # fmt: skip
-        tokens, sequences = self.layout.sum_over_ranks(counts).tolist()
-        return Normalizers(int(tokens), int(sequences))
+        tokens, sequences = (self.layout.sum_over_ranks(counts) / self.layout.dims.cp).tolist()  # cp ranks: same rows
+        return Normalizers(round(tokens), round(sequences))
 
     def step(self, micro_batches: list[TokenBatch], loss: str, lr: float, cfg: LossConfig | None = None,
              norm: Normalizers | None = None, balance: bool = False, probe=None) -> dict:  # fmt: skip
@@ -95,15 +100,15 @@ class TrainCore:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         logps = []
         for mb in micro_batches:
-            local = mb.to(self.device)
+            local = self.layout.local_tokens(mb).to(self.device)  # a cp rank's piece of the positions
             with self.balancer.collecting() if balance else nullcontext(), self.autocast():
-                scores = Scores(local.targets_T, self._logits(mb))
+                scores = Scores(local.targets_T, self._logits(local))
                 # padding: a zero that still reaches every parameter it ran through, so backward's collectives match
                 value = scores.logits_TV.float().sum() * 0.0 if mb.padding else fn(scores, local, cfg, norm)[0]
             (value * float(self.layout.world)).backward()
             total += value.detach().double()
             if keep_logp and not mb.padding:
-                logps.append(scores.logp_T.detach())
+                logps.append(self.layout.whole_positions(scores.logp_T.detach(), local))
             del scores, value
         self.layout.sum_over_ranks(total)
         probed = probe(self.model) if probe is not None else None
@@ -125,6 +130,7 @@ class TrainCore:
             row["skipped"] = True
         self.optimizer.zero_grad(set_to_none=True)
         self.last_logp_T = torch.cat(logps) if logps else torch.zeros(0)
+        self.step_logp_T = None
         if whole_step:
             row.update(self._whole_step_metrics(fn, micro_batches, cfg, norm))
         return row
@@ -137,12 +143,16 @@ class TrainCore:
         logp_T = self.last_logp_T
         if self.layout.world > 1:
             parts = [None] * self.layout.world
-            dist.all_gather_object(parts, None if whole is None else (whole.to(torch.device("cpu")), logp_T.cpu()))
+            mine = whole is not None and self.layout.is_data_leader  # a data rank's cp ranks hold the same rows
+            dist.all_gather_object(parts, (whole.to(torch.device("cpu")), logp_T.cpu()) if mine else None)
             parts = [p for p in parts if p is not None]
+            self.step_logp_T = torch.cat([p[1] for p in parts]) if parts else torch.zeros(0)
             if not parts:
                 return {}
             whole = TokenBatch.cat([p[0] for p in parts])
-            logp_T = torch.cat([p[1] for p in parts])
+            logp_T = self.step_logp_T
+        else:
+            self.step_logp_T = logp_T
         if whole is None:
             return {}
         with torch.no_grad():

@@ -9,6 +9,8 @@ What the layout decides, and what it is in a world of 1:
 - `local_batch`: a micro-batch's rows split over the dp x ep ranks, its positions over the cp ranks
   (ContextParallel.shard); every rank's loss is its labelled tokens' summed cross-entropy over the global count,
   and backward scales it by the world size because FSDP2 averages | the whole micro-batch, factor 1;
+- `local_tokens`: the same cut along the positions for a TokenBatch of packed sequences that a driver shared out
+  over the data ranks itself (`k3 rl`, `k3 distill`: every cp rank of a data rank passes the same batches) | itself;
 - `sum_over_ranks`: the logged loss is the all-reduced sum | itself;
 - `data_group`: quantile-balancing histograms are all-reduced over all ranks (all hold distinct tokens), so the
   biases agree | None;
@@ -32,8 +34,11 @@ from openk3.parallel.checkpoint import full_tensors
 from openk3.parallel.dims import ParallelDims
 from openk3.parallel.parallelize import expert_parameters, parallelize, sync_expert_grads
 from openk3.parallel.watchdog import bound_subgroup_timeouts, collective_watchdog  # re-exported: rl launches too
+from openk3.train.batch import TokenBatch
 
 __all__ = ["Layout", "bound_subgroup_timeouts", "collective_watchdog"]
+
+CP_PADDING_PER_RANK = 16  # positions per cp rank of a padding micro-batch: more than any conv halo (W - 1)
 
 
 class Layout:
@@ -54,6 +59,7 @@ class Layout:
             self.cp = ContextParallel(self.mesh["cp"].get_group())
         coords = self.mesh.get_coordinate() if self.mesh is not None else (0, 0, 0)
         self.data_rank = coords[0] * dims.ep + coords[1]  # which share of the rows this rank takes
+        self.cp_rank = coords[2]  # which piece of them: the cp ranks of one data rank hold the same rows
 
     @classmethod
     def of(cls, dp: int | None, ep: int, cp: int, device: str | torch.device) -> Layout:
@@ -99,6 +105,28 @@ class Layout:
         shard = fb.context_parallel  # the ShardLayout this batch carries: where this rank's positions sit
         start, n = shard.start, shard.lengths[self.cp.rank]
         return fb, labels[:, start : start + n], float(self.world)
+
+    @property
+    def is_data_leader(self) -> bool:
+        """Whether this rank speaks for its data rank's rows when every rank's rows are gathered (the first of its
+        cp ranks: the others hold the same rows)."""
+        return self.cp_rank == 0
+
+    def local_tokens(self, mb: TokenBatch) -> TokenBatch:
+        """This rank's part of a TokenBatch that holds its data rank's rows whole: the batch itself, or its piece
+        along the positions over the cp ranks (TokenBatch.context_shard). Batches the layout already cut (`prebuilt`)
+        or that feed the model themselves (vision, one process) pass through."""
+        if self.cp is None or mb.prebuilt is not None or mb.model_inputs is not None:
+            return mb
+        if mb.padding:  # enough positions for every rank's conv halo
+            mb = TokenBatch.padding_batch(CP_PADDING_PER_RANK * self.dims.cp)
+        return mb.context_shard(self.cp, self.device)
+
+    def whole_positions(self, x_T: torch.Tensor, local: TokenBatch) -> torch.Tensor:
+        """Per-position values of `local` (from `local_tokens`) for the whole batch: gathered over the cp ranks."""
+        if local.context_parallel is None:
+            return x_T
+        return self.cp.gather_positions(x_T, local.context_parallel.lengths)
 
     def full_tensors(self, model):
         """(name, whole tensor) of `model` laid out here, one at a time (parallel/checkpoint.py full_tensors)."""

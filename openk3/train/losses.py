@@ -98,6 +98,33 @@ def _seq_sum(x_T: Tensor, seq_T: Tensor, num_seqs: int) -> Tensor:
     return x_T.new_zeros(num_seqs).index_add(0, seq_T, x_T)
 
 
+@dataclass
+class SequenceView:
+    """How packed positions group into sequences, for the losses' per-sequence terms. On one rank a batch holds
+    whole sequences. On a context-parallel shard it holds pieces: `reduce` turns the pieces' per-sequence sums into
+    the whole sequences' (an all-reduce through autograd), `replicas` ranks then hold the same per-sequence value
+    (a term built from it is divided by `replicas`, so the ranks' losses still add up to the whole batch's), and
+    `first_T` marks each sequence's first loss position, which a piece cannot find alone."""
+
+    seq_T: Tensor
+    num: int
+    reduce: Callable[[Tensor], Tensor] | None = None
+    replicas: int = 1
+    first_T: Tensor | None = None
+
+    @classmethod
+    def of(cls, batch, device: torch.device) -> SequenceView:
+        """The view of a TokenBatch (train/batch.py), whole or a context-parallel shard."""
+        num = len(batch.lengths) if batch.num_sequences is None else batch.num_sequences
+        reduce = None if batch.context_parallel is None else batch.reduce_sequences
+        return cls(batch.seq_T.to(device), num, reduce, batch.replicas, batch.first_mask_T)
+
+    def sum(self, x_T: Tensor) -> Tensor:
+        """[S] the whole sequences' sums of `x_T`."""
+        out = _seq_sum(x_T, self.seq_T, self.num)
+        return out if self.reduce is None else self.reduce(out)
+
+
 def policy_loss(
     logp_T: Tensor,
     old_logp_T: Tensor,
@@ -108,6 +135,7 @@ def policy_loss(
     rollout_logp_T: Tensor | None = None,
     ref_logp_T: Tensor | None = None,
     normalizers: tuple[int, int] | None = None,
+    sequences: SequenceView | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The scalar policy loss (fp32) and python-float metrics.
 
@@ -122,17 +150,21 @@ def policy_loss(
     `normalizers` = (mask tokens, sequences with a mask token) of a larger batch this one is a micro-batch of (whole
     sequences only): the loss then divides by those totals instead of its own, so the micro-batches' losses sum to
     the whole batch's loss and their gradients accumulate to its gradient. The metrics stay this call's own.
+    `sequences`: how the positions group into sequences when `seq_T` alone does not say it (a context-parallel
+    shard's pieces); the per-sequence terms ("sequence" averaging, k15) then take the whole sequences' sums.
     """
     if cfg.correction is not None and rollout_logp_T is None:
         raise ValueError(f"LossConfig.correction={cfg.correction!r} needs rollout_logp_T")
     mask_T = mask_T.bool()
     n_mask = mask_T.sum()
     n_mask_f = n_mask.clamp(min=1).float()
-    num_seqs = int(seq_T.max()) + 1 if seq_T.numel() else 0
+    seqs = sequences or SequenceView(seq_T, int(seq_T.max()) + 1 if seq_T.numel() else 0)
     # What the loss divides by: this batch's mask tokens and sequences with a mask token, or a larger batch's.
     if normalizers is None:
+        if seqs.reduce is not None:
+            raise ValueError("a context-parallel shard's loss divides by the whole batch's totals: pass normalizers")
         loss_tokens = n_mask_f
-        loss_seqs = (_seq_sum(mask_T.float(), seq_T, num_seqs) > 0).sum().clamp(min=1).float()
+        loss_seqs = (seqs.sum(mask_T.float()) > 0).sum().clamp(min=1).float()
     else:
         loss_tokens, loss_seqs = (torch.tensor(float(max(n, 1))) for n in normalizers)
     old_T = old_logp_T.detach().float()
@@ -161,7 +193,7 @@ def policy_loss(
     metrics["ratio_mean"] = (torch.where(keep_T, ratio_T, 0.0).sum() / keep_T.sum().clamp(min=1)).item()
 
     if cfg.kind == "k15":
-        loss = _mirror_descent(live_logp_T, old_T, advantages_T, mask_T, seq_T, num_seqs, cfg.tau) / loss_seqs
+        loss = _mirror_descent(live_logp_T, old_T, advantages_T, mask_T, seqs, cfg.tau) / (loss_seqs * seqs.replicas)
     else:
         if cfg.kind == "ppo":
             clipped_ratio_T = ratio_T.clamp(1 - cfg.eps_low, 1 + cfg.eps_high)
@@ -182,8 +214,9 @@ def policy_loss(
         if cfg.average == "token":
             loss = loss_T.sum() / loss_tokens
         else:
-            count_S = _seq_sum(mask_T.float(), seq_T, num_seqs)
-            per_seq_S = _seq_sum(loss_T, seq_T, num_seqs) / count_S.clamp(min=1)
+            # Linear in each piece's sum, so a shard adds its pieces' share; only the counts are the whole's.
+            count_S = seqs.sum(mask_T.float())
+            per_seq_S = _seq_sum(loss_T, seqs.seq_T, seqs.num) / count_S.clamp(min=1)
             loss = per_seq_S.sum() / loss_seqs
 
     if ref_logp_T is not None and cfg.kl_coef > 0:
@@ -198,22 +231,24 @@ def policy_loss(
     return loss, metrics
 
 
-def _mirror_descent(
-    logp_T: Tensor, old_T: Tensor, advantages_T: Tensor, mask_T: Tensor, seq_T: Tensor, num_seqs: int, tau: float
-) -> Tensor:
+def _mirror_descent(logp_T: Tensor, old_T: Tensor, advantages_T: Tensor, mask_T: Tensor, seqs: SequenceView,
+                    tau: float) -> Tensor:  # fmt: skip
     """Kimi k1.5 online mirror descent (arXiv 2501.12599): per sequence j, with S_j and S_old_j the sums
     of the kept tokens' log-probs, L_j = -(A_j S_j - tau/2 (S_j - S_old_j)^2), averaged over the sequences that have a
     mask token (the caller divides the sum returned here by their count). A_j is the advantage at the sequence's first
     mask token (it is a sequence-level quantity broadcast)."""
-    sum_S = _seq_sum(logp_T, seq_T, num_seqs)
-    old_sum_S = _seq_sum(old_T, seq_T, num_seqs)
-    num_tokens = logp_T.numel()
-    idx_T = torch.arange(num_tokens, device=logp_T.device)
-    first_S = torch.full((num_seqs,), num_tokens, device=logp_T.device, dtype=torch.long)
-    first_S = first_S.scatter_reduce(0, seq_T[mask_T], idx_T[mask_T], "amin")
-    # Index num_tokens is a padding 0 for sequences without mask tokens; unmasked advantages may be anything.
-    adv_pad_T = torch.cat([torch.where(mask_T, advantages_T.detach().float(), 0.0), logp_T.new_zeros(1)])
-    adv_S = adv_pad_T[first_S]
+    sum_S = seqs.sum(logp_T)
+    old_sum_S = seqs.sum(old_T)
+    if seqs.first_T is None:
+        num_tokens = logp_T.numel()
+        idx_T = torch.arange(num_tokens, device=logp_T.device)
+        first_S = torch.full((seqs.num,), num_tokens, device=logp_T.device, dtype=torch.long)
+        first_S = first_S.scatter_reduce(0, seqs.seq_T[mask_T], idx_T[mask_T], "amin")
+        # Index num_tokens is a padding 0 for sequences without mask tokens; unmasked advantages may be anything.
+        adv_pad_T = torch.cat([torch.where(mask_T, advantages_T.detach().float(), 0.0), logp_T.new_zeros(1)])
+        adv_S = adv_pad_T[first_S]
+    else:  # one term per sequence, on the piece that holds its first mask position: an exact sum
+        adv_S = seqs.sum(torch.where(seqs.first_T & mask_T, advantages_T.detach().float(), 0.0))
     loss_S = -(adv_S * sum_S - 0.5 * tau * (sum_S - old_sum_S).square())
     return loss_S.sum()
 
@@ -294,10 +329,10 @@ def lm_loss(scores: Scores, batch, cfg: LossConfig, norm: Normalizers):
 
 
 def _policy(scores: Scores, batch, cfg: LossConfig, norm: Normalizers, advantages_T: Tensor):
-    f = batch.fields
-    return policy_loss(scores.logp_T, scores.logp_T.detach(), advantages_T, batch.loss_mask_T, batch.seq_T, cfg,
+    f, seqs = batch.fields, SequenceView.of(batch, scores.logp_T.device)
+    return policy_loss(scores.logp_T, scores.logp_T.detach(), advantages_T, batch.loss_mask_T, seqs.seq_T, cfg,
                        rollout_logp_T=f.get("behaviour_logp_T"), ref_logp_T=f.get("reference_logp_T"),
-                       normalizers=(norm.tokens, norm.sequences))  # fmt: skip
+                       normalizers=(norm.tokens, norm.sequences), sequences=seqs)  # fmt: skip
 
 
 def _register_policy(kind: str) -> None:

@@ -238,8 +238,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-@pytest.mark.parametrize("world, layout", [(2, {"dp": 2}), (2, {"ep": 2}), (4, {"dp": 2, "ep": 2, "kl_coef": 0.1})],
-                         ids=["dp2", "ep2", "dp2-ep2-kl"])  # fmt: skip
+@pytest.mark.parametrize("world, layout", [(2, {"dp": 2}), (2, {"ep": 2}), (4, {"dp": 2, "ep": 2, "kl_coef": 0.1}),
+                                           (2, {"cp": 2, "kl_coef": 0.1})],
+                         ids=["dp2", "ep2", "dp2-ep2-kl", "cp2-kl"])  # fmt: skip
 def test_sharded_updates_equal_one_process(init_dir, tmp_path, fleet, world, layout):
     """The same trajectories (rolled out once, injected), 3 updates: every layout trains the policy sharded exactly
     as k3 train does and equals one process (losses and weights within 1e-5 relative); the routing-replay log-prob
@@ -355,14 +356,15 @@ def test_a_four_rank_run_finishes_under_the_watchdog_and_resumes_in_one_process(
 
 
 def test_bad_layouts_and_resumes_are_named_before_any_work_and_runs_export(init_dir, tmp_path, fleet):
-    """An EP degree that does not divide the experts, --cp, and a --resume whose model differs from the command's
-    are named errors raised before anything in --out is written; a resumed run tolerates a metrics line a kill cut
-    short (and rewrites the file whole); `k3 export` turns an RL run into a release folder."""
+    """An EP degree that does not divide the experts, a layout larger than the world, and a --resume whose model
+    differs from the command's are named errors raised before anything in --out is written; a resumed run tolerates
+    a metrics line a kill cut short (and rewrites the file whole); `k3 export` turns an RL run into a release
+    folder."""
     from openk3.cli import main
     from openk3.rl.loop import RLTrainer
 
     experts = K3Config.preset("tiny").text_config.num_experts
-    for bad, match in (({"ep": experts + 1}, f"--ep {experts + 1} must divide"), ({"cp": 2}, "--cp > 1")):
+    for bad, match in (({"ep": experts + 1}, f"--ep {experts + 1} must divide"), ({"cp": 2}, "--cp 2 must equal the world size 1")):
         out = tmp_path / f"bad-{next(iter(bad))}"
         with pytest.raises(ValueError, match=match):
             RLTrainer(_config(init_dir, str(out), **bad), log=lambda *a: None, fleet=fleet)

@@ -364,7 +364,8 @@ def test_bad_layouts_and_resumes_are_named_before_any_work_and_runs_export(init_
     from openk3.rl.loop import RLTrainer
 
     experts = K3Config.preset("tiny").text_config.num_experts
-    for bad, match in (({"ep": experts + 1}, f"--ep {experts + 1} must divide"), ({"cp": 2}, "--cp 2 must equal the world size 1")):
+    for bad, match in (({"ep": experts + 1}, f"--ep {experts + 1} must divide"),
+                       ({"cp": 2}, "--cp 2 must equal the world size 1")):  # fmt: skip
         out = tmp_path / f"bad-{next(iter(bad))}"
         with pytest.raises(ValueError, match=match):
             RLTrainer(_config(init_dir, str(out), **bad), log=lambda *a: None, fleet=fleet)

@@ -158,7 +158,8 @@ def _cp_rank(rank: int, world: int, cases, replay: bool):
         model.init_weights(torch.Generator().manual_seed(0))
         layout.parallelize(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-        core = TrainCore(model, layout, optimizer, balancer=Balancer(model, "none"), grad_clip=1e9)
+        balancer = Balancer(model, "none", process_group=layout.data_group)
+        core = TrainCore(model, layout, optimizer, balancer=balancer, grad_clip=1e9)
         rows = _cp_steps(core, case, replay)
         weights = {name: t.clone() for name, t in layout.full_tensors(model)}
         out.append((rows, weights, core.last_logp_T))

@@ -5,6 +5,12 @@ model, checkpoint-compatible with the release) and `load_tokenizer` (a checkpoin
 files, our BPE, or the byte fallback); `K3ForConditionalGeneration` is the model with its vision tower (images in).
 """
 
+from openk3.threads import default_omp_wait_policy
+
+# Before torch loads OpenMP: threads that finish early sleep instead of spinning on a core another job needs
+# (openk3/threads.py says why and how to override).
+default_omp_wait_policy()
+
 from openk3.config import K3Config
 from openk3.data.tokenizer import load_tokenizer
 from openk3.model.model import K3ForCausalLM

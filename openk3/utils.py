@@ -1,6 +1,7 @@
 """Tiny process-agnostic helpers shared by every openk3 package: dtype names, relative error, the fp32 exp limit,
 the checks every reader and writer of a checkpoint folder uses (`file_inside`, `read_json`, `open_permissions`), and
-the one CPU thread-count default of every `k3` command (`pick_threads`, `set_threads`), and `release_freed_memory`.
+`release_freed_memory`. The CPU thread rule (`pick_threads`, `set_threads`) lives in `openk3.threads`; its names are
+re-exported here for the code that imported them from this module.
 
 Only the standard library and torch may be imported here (see STYLE.md §2).
 """
@@ -15,6 +16,8 @@ import os
 from typing import Any
 
 import torch
+
+from openk3.threads import physical_cores, pick_threads, set_threads  # noqa: F401  (re-exported)
 
 # ln(fp32 max) ~ 88.72: e^x overflows to inf above it. KDA's tiles need chunk * |gate lower bound| below it
 # (spec/kda.md §5).
@@ -106,47 +109,6 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def physical_cores() -> int:
-    """Physical cores among the CPUs this process may run on (`os.sched_getaffinity`: a container's or `taskset`'s
-    limit, not the machine's count); hyperthread siblings count once. Falls back to the CPU count where the
-    topology is not readable."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    cores = set()
-    for cpu in cpus:
-        try:
-            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
-                cores.add(f.read().strip())
-        except OSError:
-            cores.add(str(cpu))
-    return max(1, len(cores))
-
-
-def pick_threads(threads: int | None = None, local_world_size: int = 1) -> tuple[int, str]:
-    """(torch CPU threads for this process, why that many). An explicit `threads` (--threads) wins, then
-    `OMP_NUM_THREADS` when set, else the physical cores available to the process shared among the
-    `local_world_size` processes on this machine. More threads than free cores is what made a loaded machine
-    20-100x slower: a parallel matmul waits for its slowest thread, and an oversubscribed core runs them in turns."""
-    cores = physical_cores()
-    if threads is not None:
-        if threads <= 0:
-            raise ValueError(f"--threads must be positive, got {threads}")
-        return threads, f"--threads; {cores} cores available"
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env), f"OMP_NUM_THREADS={env}; {cores} cores available"
-    if local_world_size > 1:
-        return max(1, cores // local_world_size), f"{cores} cores / {local_world_size} processes"
-    return cores, f"of {cores} cores"
-
-
-def set_threads(threads: int | None = None, local_world_size: int = 1) -> str:
-    """`torch.set_num_threads` with `pick_threads`'s count; returns the line every command's header shows, e.g.
-    `threads: 2 (of 2 cores; --threads to change)`."""
-    n, why = pick_threads(threads, local_world_size)
-    torch.set_num_threads(n)
-    return f"threads: {n} ({why})" if threads is not None else f"threads: {n} ({why}; --threads to change)"
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
-"""CPU threads of every `k3` command that runs a model (issue 20 item 2), and the rough edges of item 7 that live in
-the CLI and the engine: --threads sets torch's thread count, the default honours OMP_NUM_THREADS and otherwise
-shares the physical cores among the processes, the header says the count; `chat --show-template` reads no weights;
+"""CPU threads of every `k3` command that runs a model, and rough edges that live in the CLI and the engine:
+--threads sets torch's thread count, the default honours OMP_NUM_THREADS and otherwise shares the free physical
+cores among the processes, OpenMP waits passively, the header says the count; `chat --show-template` reads no weights;
 Ctrl-C leaves `chat` with one line; an engine does not log its cache pools at INFO."""
 
 from __future__ import annotations
@@ -8,14 +8,19 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import torch
 
+from openk3 import threads
 from openk3.cli import main
+from openk3.threads import physical_cores, pick_threads, set_threads
 from openk3.train.config import TrainConfig
 from openk3.train.flags import add_train_arguments, config_from_args
-from openk3.utils import physical_cores, pick_threads, set_threads
 
 
 @pytest.fixture(autouse=True)
@@ -33,17 +38,64 @@ def ckpt(tmp_path_factory):
     return str(path)
 
 
-def test_default_is_the_available_physical_cores_shared_by_the_local_processes(monkeypatch):
+def test_default_is_the_free_physical_cores_shared_by_the_local_processes(monkeypatch):
     cores = physical_cores()
     assert 1 <= cores <= len(os.sched_getaffinity(0))
+    monkeypatch.setattr(threads, "busy_cores_of_others", lambda: 0.0)
     assert pick_threads() == (cores, f"of {cores} cores")
     assert pick_threads(None, 2)[0] == max(1, cores // 2)
     assert pick_threads(None, 10 * cores)[0] == 1  # never 0
+    logical = len(os.sched_getaffinity(0))
+    # Another job keeps all but one core busy: this one takes the core that is left; a fully busy machine still
+    # gets one thread.
+    monkeypatch.setattr(threads, "busy_cores_of_others", lambda: (cores - 1) * logical / cores)
+    assert pick_threads() == (1, f"1 of {cores} cores free") if cores > 1 else (1, "of 1 cores")
+    monkeypatch.setattr(threads, "busy_cores_of_others", lambda: 2.0 * logical)
+    assert pick_threads()[0] == 1 and pick_threads(None, 2)[0] == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert pick_threads(None, 2) == (3, f"OMP_NUM_THREADS=3; {cores} cores available")
     assert pick_threads(5, 2)[0] == 5  # --threads wins over the environment
     with pytest.raises(ValueError, match="--threads must be positive"):
         pick_threads(0)
+
+
+def test_busy_cores_of_others_sees_another_process_and_not_this_one():
+    """A spinning child process counts; this process's own spinning thread does not (bounded: 3 s at most)."""
+    spin = "import time\nend = time.monotonic() + 3\nwhile time.monotonic() < end: pass"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)  # the child's interpreter is up and spinning
+        assert threads.busy_cores_of_others(0.5) >= 0.3  # a busy machine may give it less than a whole core
+    finally:
+        child.kill()
+        child.wait()
+    quiet = threads.busy_cores_of_others(0.3)
+    stop = time.monotonic() + 2.0
+    spinner = threading.Thread(target=lambda: [None for _ in iter(lambda: time.monotonic() < stop, False)])
+    own = time.process_time()
+    spinner.start()
+    try:
+        others = threads.busy_cores_of_others(0.5)
+        assert time.process_time() - own >= 0.1  # this process did spin while it measured
+    finally:
+        stop = 0.0
+        spinner.join()
+    assert others < quiet + 0.5
+
+
+def test_openmp_threads_wait_passively_unless_the_user_says_otherwise():
+    """libgomp reads OMP_WAIT_POLICY when torch loads it: importing openk3 first sets PASSIVE; a user's value wins.
+    OMP_DISPLAY_ENV makes libgomp print the policy it actually uses."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["OMP_DISPLAY_ENV"] = "TRUE"
+    shown = subprocess.run([sys.executable, "-c", "import openk3, torch; torch.ones(64, 64) @ torch.ones(64, 64)"],
+                           env=env, capture_output=True, text=True, check=True).stderr  # fmt: skip
+    if "OPENMP DISPLAY ENVIRONMENT" not in shown:
+        pytest.skip("torch here does not use libgomp")
+    assert "OMP_WAIT_POLICY = 'PASSIVE'" in shown
+    env["OMP_WAIT_POLICY"] = "ACTIVE"
+    shown = subprocess.run([sys.executable, "-c", "import openk3"], env=env, capture_output=True, text=True, check=True).stderr
+    assert "OMP_WAIT_POLICY = 'ACTIVE'" in shown
 
 
 def test_set_threads_sets_torch_and_says_so(monkeypatch):

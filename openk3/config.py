@@ -1,14 +1,13 @@
 """K3Config: the released `config.json`, field for field, plus the layer schedule and the presets.
 
-The dataclasses mirror the official JSON (spec/model.md §1): a top-level `K3Config` (model_type `kimi_k3`) holding a
-`K3TextConfig` (model_type `kimi_linear`) with its nested `LinearAttnConfig` and optional `QuantizationConfig`; the
-`vision_config` is kept as plain data (it round-trips as read; model/vision.py's `VisionConfig` reads the fields the
-tower uses). Unknown keys are kept in `extra` so that `from_pretrained` -> `save_pretrained` reproduces the official
-file byte for byte.
+The dataclasses mirror the official JSON: a top-level `K3Config` (model_type `kimi_k3`) holding a `K3TextConfig`
+(model_type `kimi_linear`) with its nested `LinearAttnConfig` and optional `QuantizationConfig`; the `vision_config` is
+kept as plain data (it round-trips as read; model/vision.py's `VisionConfig` reads the fields the tower uses). Unknown
+keys are kept in `extra` so that `from_pretrained` -> `save_pretrained` reproduces the official file byte for byte.
 
-Layer schedule (spec/model.md §2, 0-based layer l): KDA iff l + 1 is in `linear_attn_config.kda_layers`, MLA iff l + 1
-is in `full_attn_layers`; dense FFN iff l < first_k_dense_replace (or off the MoE frequency); an AttnRes block starts
-at every l % attn_res_block_size == 0.
+Layer schedule (0-based layer l): KDA iff l + 1 is in `linear_attn_config.kda_layers`, MLA iff l + 1 is in
+`full_attn_layers`; dense FFN iff l < first_k_dense_replace (or off the MoE frequency); an AttnRes block starts at every
+l % attn_res_block_size == 0.
 
 Reading checks every JSON value against its field's type (integers are never bools or floats), and `validate` bounds
 every size (`_TEXT_SIZES`, `_KDA_SIZES`) before anything is sized from it. Errors name the field (dotted, as
@@ -26,8 +25,7 @@ from typing import Any, Callable, ClassVar
 
 from openk3.utils import FP32_EXP_LIMIT, file_inside, read_json
 
-# A 16-token tile anchored before its first token keeps e^{16|L|} finite in fp32 iff 16 * |L| < FP32_EXP_LIMIT
-# (spec/kda.md §5).
+# A 16-token tile anchored before its first token keeps e^{16|L|} finite in fp32 iff 16 * |L| < FP32_EXP_LIMIT.
 _KDA_TILE = 16
 
 # Inclusive (min, max) of every integer size, checked before anything is built from it (a typo'd 10**9 layers would
@@ -143,7 +141,7 @@ class LinearAttnConfig(_JsonSection):
 
 @dataclass
 class QuantizationConfig(_JsonSection):
-    """`text_config.quantization_config` (compressed-tensors). Only MXFP4 routed experts exist in K3 (spec §1.2, §8)."""
+    """`text_config.quantization_config` (compressed-tensors). Only MXFP4 routed experts exist in K3."""
 
     quant_method: str = "compressed-tensors"
     format: str = "mxfp4-pack-quantized"
@@ -208,7 +206,7 @@ class QuantizationConfig(_JsonSection):
 
 @dataclass
 class K3TextConfig(_JsonSection):
-    """`text_config`: the language model. Defaults are the released K3 values (spec/model.md §1.2)."""
+    """`text_config`: the language model. Defaults are the released K3 values."""
 
     _NESTED: ClassVar[dict[str, type]] = {"linear_attn_config": LinearAttnConfig, "quantization_config": QuantizationConfig}
 
@@ -267,7 +265,7 @@ class K3TextConfig(_JsonSection):
     def __post_init__(self) -> None:
         self.validate()
 
-    # Layer schedule (spec/model.md §2); everything else derives from these three functions.
+    # Layer schedule; everything else derives from these three functions.
     def layer_kind(self, layer: int) -> str:
         """"kda" or "mla" for 0-based `layer`."""
         return "kda" if layer + 1 in self._kda_set else "mla"
@@ -291,7 +289,7 @@ class K3TextConfig(_JsonSection):
 
     @property
     def shared_intermediate_size(self) -> int:
-        """The shared experts are stored fused as one SiTU MLP of this width (spec §7.3)."""
+        """The shared experts are stored fused as one SiTU MLP of this width."""
         return self.num_shared_experts * self.moe_intermediate_size
 
     @property
@@ -376,7 +374,7 @@ class K3TextConfig(_JsonSection):
 
 @dataclass
 class K3Config(_JsonSection):
-    """The top-level `config.json` of a K3 checkpoint (model_type `kimi_k3`, spec/model.md §1.1)."""
+    """The top-level `config.json` of a K3 checkpoint (model_type `kimi_k3`)."""
 
     _NESTED: ClassVar[dict[str, type]] = {"text_config": K3TextConfig}
 
@@ -445,7 +443,7 @@ class K3Config(_JsonSection):
 
 
 def _vision_config_k3() -> dict[str, Any]:
-    """The released MoonViT-V2 settings (spec/vision.md §1), as the release's config.json holds them."""
+    """The released MoonViT-V2 settings, as the release's config.json holds them."""
     return {
         "_attn_implementation": "flash_attention_2",
         "activation_func": "gelu_pytorch_tanh",
@@ -523,7 +521,7 @@ def preset_small() -> K3Config:
 
 def preset_medium() -> K3Config:
     """418.2M parameters total (243.1M active): K3's shape at 1024 wide, 16 layers, 16 experts top-4 in a 512 latent;
-    the checkpoint shape of the CPU inference comparison with llama.cpp (`k3 bench cpu`, issue 17)."""
+    the checkpoint shape of the CPU inference comparison with llama.cpp (`k3 bench cpu`, docs/cpu.md)."""
     return _scaled(vocab=32768, hidden=1024, layers=16, heads=8, head_dim=128, q_rank=512, kv_rank=256, rope=64,
                    dense=5120, experts=16, top_k=4, expert_hidden=512, latent=512, block=4, special_base=32512)  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""Paths to the official-format checkpoints in tests/fixtures (copied from shared/fixtures, see their README).
+"""Paths to the official-format checkpoints in tests/fixtures (see tests/fixtures/README.md).
 
 Test modules import them from here, not from a conftest: several folders have a conftest.py, and pytest registers
 each as the module `conftest`, so `from conftest import ...` would depend on which one was loaded last.

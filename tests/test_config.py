@@ -66,7 +66,8 @@ def test_presets_keep_every_mechanism(name):
 
 
 def test_medium_preset_is_the_cpu_comparison_shape():
-    """Issue 17's llama.cpp comparison checkpoint: 418M total / 243M active, 1024 wide, 16 layers, 16 experts top-4."""
+    """`k3 bench cpu`'s llama.cpp comparison checkpoint: 418M total / 243M active, 1024 wide, 16 layers, 16 experts
+    top-4."""
     config = K3Config.preset("medium")
     with torch.device("meta"):
         total, active = K3ForCausalLM(config).num_parameters()
@@ -111,7 +112,7 @@ def test_bad_top_level():
 
 
 def test_dataclasses_mirror_release_keys():
-    """Every key of the released text_config table (spec/model.md §1.2) is a field, not an `extra`."""
+    """Every key of the released text_config (the fixture's config.json) is a field, not an `extra`."""
     names = {f.name for f in dataclasses.fields(K3TextConfig)}
     with open(os.path.join(PLAIN, "config.json"), encoding="utf-8") as f:
         text = json.load(f)["text_config"]

@@ -5,10 +5,10 @@ All three share one small surface that the trainer, `generate` and the server us
 `decode(ids, skip_special_tokens=True) -> str`, `save(dir)` (so a checkpoint carries its tokenizer), the attributes
 `vocab_size`, `bos_token_id`, `eos_token_id`, `pad_token_id`, and `fingerprint` (a content hash keying token caches).
 
-Vocabulary layout (K3's, spec/model.md §14): the base ranks fill ids [0, vocab_size - 256) and the 256 special ids sit
-on top: bos = base + 0, eos = base + 2, pad = vocab_size - 1; unnamed specials render as `<|reserved_token_{id}|>`.
-User text is always encoded with special tokens disallowed (`encode_ordinary` semantics), so text that spells a
-special token's name is encoded as plain text and cannot inject control tokens.
+Vocabulary layout (K3's): the base ranks fill ids [0, vocab_size - 256) and the 256 special ids sit on top: bos = base +
+0, eos = base + 2, pad = vocab_size - 1; unnamed specials render as `<|reserved_token_{id}|>`. User text is always
+encoded with special tokens disallowed (`encode_ordinary` semantics), so text that spells a special token's name is
+encoded as plain text and cannot inject control tokens.
 
 `load_tokenizer(path, text_config)` picks, in order: `tokenizer.json` (our BPE) -> `tiktoken.model` (official format)
 -> `ByteTokenizer`, and checks the ids against the model config. The files must resolve inside `path` (no symlink
@@ -40,8 +40,8 @@ K3_SPECIAL_NAMES = {
 }  # fmt: skip
 # The config roles whose K3 offsets name them; a role placed elsewhere is named <|role|>.
 K3_ROLE_OFFSETS = {"bos": 0, "eos": 2, "pad": 255}
-# K3's workaround for a tiktoken limit (spec §14): encode in 400,000-character windows and cut any run of whitespace
-# or of non-whitespace longer than 25,000 characters. It changes token boundaries, so we must do the same to match ids.
+# K3's workaround for a tiktoken limit: encode in 400,000-character windows and cut any run of whitespace or of
+# non-whitespace longer than 25,000 characters. It changes token boundaries, so we must do the same to match ids.
 TIKTOKEN_MAX_ENCODE_CHARS = 400_000
 MAX_NO_WHITESPACES_CHARS = 25_000
 

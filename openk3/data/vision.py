@@ -1,4 +1,4 @@
-"""The K3 image processor: PIL images -> `pixel_values` and `grid_thws` for the MoonViT-V2 tower (spec `vision.md` §3).
+"""The K3 image processor: PIL images -> `pixel_values` and `grid_thws` for the MoonViT-V2 tower.
 
 Integer-exact with the released `KimiK3VisionProcessor` (`kimi_k3_vision_processing.py`, `media_utils.py`). Per image,
 with the `media_proc_cfg` of the checkpoint's `preprocessor_config.json` (p = patch_size, m = merge_kernel_size):
@@ -41,8 +41,8 @@ from PIL import Image, UnidentifiedImageError
 # Pillow's own DecompressionBombWarning threshold (about 89.5 megapixels); callers (the server) pass their own.
 DEFAULT_MAX_PIXELS = 89_478_485
 
-# `preprocessor_config.json`'s `media_proc_cfg` as released (identical in the public K3 ports, spec §9). The
-# video keys (in_patch_limit_each_frame, sample_fps, temporal_merge_kernel_size) are kept for round trips only.
+# `preprocessor_config.json`'s `media_proc_cfg` as released (identical in the public K3 ports). The video keys
+# (in_patch_limit_each_frame, sample_fps, temporal_merge_kernel_size) are kept for round trips only.
 RELEASE_MEDIA_PROC_CFG: dict[str, Any] = {
     "patch_size": 14,
     "merge_kernel_size": 2,

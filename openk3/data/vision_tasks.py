@@ -1,5 +1,5 @@
-"""Embedded image-text tasks for training the vision tower from scratch (issue 16 item 5): rendered with Pillow and
-the DejaVu fonts that matplotlib ships, so nothing is downloaded.
+"""Embedded image-text tasks for training the vision tower from scratch: rendered with Pillow and the DejaVu fonts that
+matplotlib ships, so nothing is downloaded.
 
 Task definition. Every example is an image, a prompt (a caption request or a question) and the answer, a short
 string read off the image; a model is scored on the answer only. Three kinds:

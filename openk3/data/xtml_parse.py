@@ -21,8 +21,8 @@ non-streaming result. Text between markers is decoded incrementally (data/detoke
 is held back until a later token completes it or a marker ends its run. Only the ids decide markup: text that spells
 `<|open|>` is content; other special ids (bos, media, reserved) decode to nothing, as `decode` skips them.
 
-Malformed output never raises; each case adds one line to `problems` and nothing is dropped silently (serving.md §6:
-a malformed tools block's raw text goes to `content`). "Spelled" text is the raw XTML with markers as their names.
+Malformed output never raises; each case adds one line to `problems` and nothing is dropped silently (a malformed tools
+block's raw text goes to `content`). "Spelled" text is the raw XTML with markers as their names.
 - An element where it cannot be (unknown tag, `call` outside `tools`, `argument` in `think`, ...), a call without a
   tool name or to a tool not in `tools` (decided at its open tag), an argument without a key, a json block mixed with
   arguments: the whole element, spelled, goes to `content` and nothing of it to `tool_calls`.

@@ -1,6 +1,6 @@
 """Context parallelism: every rank of the `cp` group holds one contiguous shard of each sequence (rank r the r-th
-piece along time), and the KDA and MLA layers exchange what crosses shard boundaries (spec/kda.md §9). AttnRes,
-norms and FFNs are per token and need nothing.
+piece along time), and the KDA and MLA layers exchange what crosses shard boundaries. AttnRes, norms and FFNs are
+per token and need nothing.
 
 `ContextParallel.shard` returns this rank's ForwardBatch carrying a `ShardLayout` as `batch.context_parallel`: the
 layers run their one forward and call its hand-off methods where something crosses a shard boundary.
@@ -17,10 +17,10 @@ shard are all-gathered; rank r attends causally over the latents of ranks 0..r (
 shards come first).
 
 All gathers are autograd functions whose backward all-reduces the gathered gradient and keeps this rank's slice
-(gloo has no reduce-scatter), so the backward protocol of §9.3 falls out of autograd. Every rank ties every
-gathered tensor into its graph (rank 0 through zero-weighted uses), so all ranks run the same backward collectives
-in the same order. `CommCounter` records the
-bytes each collective moves.
+(gloo has no reduce-scatter), so the backward hand-off (each rank's entering-state gradient folded back over the
+ranks after it, the reverse of the forward fold) falls out of autograd. Every rank ties every gathered tensor into
+its graph (rank 0 through zero-weighted uses), so all ranks run the same backward collectives in the same order.
+`CommCounter` records the bytes each collective moves.
 
 Packed documents: rows are cut into contiguous shards whatever their documents; only a row's first local segment
 can continue a document from the previous rank (its conv tail and entering state come from there), and a row hands

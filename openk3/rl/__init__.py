@@ -1,1 +1,1 @@
-"""Agentic RL: rollouts through the serving engine, trainer-side log-probs, losses and corrections (STYLE.md §1)."""
+"""Agentic RL: rollouts through the serving engine, trainer-side log-probs, losses and corrections."""

@@ -1,4 +1,4 @@
-"""Multi-teacher on-policy distillation (MOPD, K3 report Eq. 15; spec/rl.md §1, §3): `k3 distill`.
+"""Multi-teacher on-policy distillation (MOPD, K3 report Eq. 15): `k3 distill`.
 
 K3 trains one RL expert per domain and thinking effort and distils them into one student on-policy: the student
 samples (on the RL loop's engine and environments, multi-turn tool use and partial rollouts included), every sampled
@@ -32,7 +32,7 @@ token mean, instead of one mean over all kept tokens, so a domain of short answe
 
 The teacher's distribution is softmax(logits / `teacher_temperature`) in every method: its scores (opd), its
 top-k target (topk) and its samples (offpolicy). The default 1 is Eq. 15 as written; below 1 the target is sharper
-than the teacher samples, a knob the spec does not name (K3's report is silent on it; measured in docs/distill.md).
+than the teacher samples, a knob K3's report does not name (measured in docs/distill.md).
 
 Legend: T packed tokens (positions 0..n-2 of every trajectory, as `logprobs.sequence_logprobs` returns them), V
 vocabulary, S trajectories.

@@ -1,5 +1,5 @@
 """The tool environment of agentic RL: one episode of one task in its own sandbox, in the reset/step/close rhythm of
-SkyRL and rLLM (spec/sandbox.md), and the per-task snapshots that episodes fork from.
+SkyRL and rLLM, and the per-task snapshots that episodes fork from.
 
     snapshots = TaskSnapshots(fleet)              # one snapshot per task, shared by its G episodes (a GRPO group)
     env = ToolEnv(fleet, Budgets(), snapshots)

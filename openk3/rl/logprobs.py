@@ -1,5 +1,5 @@
 """Trainer-side log-probabilities of whole trajectories: one packed forward over every sequence (no padding),
-optionally replaying the rollout's routed experts (R3, spec/rl.md §3), then per sequence
+optionally replaying the rollout's routed experts (R3), then per sequence
 `logp[t] = log softmax(logits[t] / temperature)[seq[t + 1]]`, the log-probability of each token given its prefix.
 
 Only positions 0..n-2 are fed: the last token's logits predict nothing, and causal layers make its position

@@ -12,12 +12,11 @@ call, or from a tool's output into the answer, is the same tokens in both places
 " 5804" and "(5804" differently, which a tiny model cannot learn to copy).
 
 A fresh tiny model is not a pretrained language model, and the one skill every task here needs, copying a span
-of the context, is what pretraining gives a real model (induction heads; Olsson et al., 2022). Measured on this
-policy: SFT on whole episodes (about 230 tokens, most of them the tool declarations) had not learned to copy after
-300 steps: it wrote the digits' marginal distribution ("print(100*90*90)"), held-out success 0%. Trained on short
-sequences instead, the same model learned to copy after about 220 steps of 32 (a sudden drop of the loss, the
-induction phase change). So `k3 rl --copy-steps N` first pre-trains on `CopyStream`: short spans of the families'
-text, each followed by itself, with the loss on the copy; the SFT steps then only learn what to copy where.
+of the context, is what pretraining gives a real model (induction heads; Olsson et al., 2022). On this policy 300
+SFT steps on whole episodes had not taught it to copy (held-out success 0%), while short sequences did within about
+220 steps (docs/rl.md, "The warm start of a fresh policy"). So `k3 rl --copy-steps N` first pre-trains on
+`CopyStream`: short spans of the families' text, each followed by itself, with the loss on the copy; the SFT steps
+then only learn what to copy where.
 
 `--sft-guess-share g` replaces a share g of the demonstrations by tool-free guesses (`TaskFamily.guess`: an answer
 of the right form, given without looking), so the warm-started policy calls its tools only part of the time, as a

@@ -7,13 +7,13 @@ An episode's tokens are the concatenation of:
     observation   the tool messages that answer it, then the next generation prompt   not trained on
     generated     ...
 
-Each piece is the slice of K3's XTML rendering (`data/xtml.py`) that a message adds, so for a conversation rendered
-from messages the stream is exactly `encode_xtml(render_xtml(all messages))` (tested): the rollout and the SFT warm
-start build the same ids, and a rollout's later turns are the earlier turns' sampled ids verbatim. Open RL stacks
-that re-render the chat between turns change the tokenisation (spec/rl.md §4); here the history is only ever
-appended to. Thinking is off by default (the generation prompt opens the `response` channel): the tiny agents answer
-directly. With `thinking=True` it opens the `think` channel, every assistant message carries its (maybe empty) think
-element, and `effort` adds the release's thinking-effort system message to the prompt (distillation's effort tags).
+Each piece is the slice of K3's XTML rendering (`data/xtml.py`) that a message adds, so for a conversation rendered from
+messages the stream is exactly `encode_xtml(render_xtml(all messages))` (tested): the rollout and the SFT warm start
+build the same ids, and a rollout's later turns are the earlier turns' sampled ids verbatim. Open RL stacks that
+re-render the chat between turns change the tokenisation; here the history is only ever appended to. Thinking is off by
+default (the generation prompt opens the `response` channel): the tiny agents answer directly. With `thinking=True` it
+opens the `think` channel, every assistant message carries its (maybe empty) think element, and `effort` adds the
+release's thinking-effort system message to the prompt (distillation's effort tags).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Agent environments' isolation (issue 13): the `Sandbox` protocol (base.py), the namespace backend (namespace.py,
-the default on Linux) and the fleet (fleet.py). Knows nothing of models; imports nothing else of openk3.
+"""Agent environments' isolation: the `Sandbox` protocol (base.py), the namespace backend (namespace.py, the default on
+Linux) and the fleet (fleet.py). Knows nothing of models; imports nothing else of openk3.
 
     from openk3.sandbox import create_sandbox
     with create_sandbox(memory_mb=512) as sb:

@@ -1,8 +1,8 @@
 """The sandbox protocol: what an agent environment offers, whatever isolates it.
 
-Modelled on the anchors (spec/sandbox.md §2): E2B's call shapes (exec, files, pause/resume), AgentENV's state machine
-and snapshot chains, and the reset/step/close rhythm of SkyRL and rLLM that `rl` builds on top. Every call has a
-deadline and ends in a result or a typed `SandboxError`, never a hang.
+Modelled on E2B's call shapes (exec, files, pause/resume), AgentENV's state machine and snapshot chains, and the
+reset/step/close rhythm of SkyRL and rLLM that `rl` builds on top. Every call has a deadline and ends in a result or
+a typed `SandboxError`, never a hang.
 
 States (AgentENV's, without the transient ones a caller never observes):
 
@@ -14,7 +14,7 @@ A snapshot is a `SnapshotRef`: an immutable, ordered chain of file-tree layers (
 snapshot holds depends on the backend: the namespace backend keeps files only, never process memory
 (`snapshot(memory=True)` raises `Unsupported`).
 
-This package knows nothing of models and imports nothing else of openk3 (STYLE.md §2).
+This package knows nothing of models and imports nothing else of openk3 (tests/test_layering.py checks it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The sandbox fleet of one machine (issue 13 item 3): a warm pool of started sandboxes, reclaim of idle ones, garbage
-collection of snapshot layers nothing references, capacity, and the numbers an operator watches (`stats()`, and
-`metrics()` in Prometheus text, as the server's /metrics).
+"""The sandbox fleet of one machine: a warm pool of started sandboxes, reclaim of idle ones, garbage collection of
+snapshot layers nothing references, capacity, and the numbers an operator watches (`stats()`, and `metrics()` in
+Prometheus text, as the server's /metrics).
 
     fleet = Fleet(max_sandboxes=64, warm=4, memory_mb=512)
     sb = fleet.create()                      # from the warm pool; a FleetSandbox, a Sandbox like any other

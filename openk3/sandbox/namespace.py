@@ -1,6 +1,6 @@
-"""The namespace backend (issue 13 item 2): each sandbox is a process tree in its own user, mount, PID, network (loopback
-only), IPC and UTS namespaces, on an overlay root (the snapshot chain's layers over a base image, a tmpfs writable
-layer), limited by cgroups (rlimits where there are none), running as an unprivileged uid.
+"""The namespace backend: each sandbox is a process tree in its own user, mount, PID, network (loopback only), IPC and
+UTS namespaces, on an overlay root (the snapshot chain's layers over a base image, a tmpfs writable layer), limited by
+cgroups (rlimits where there are none), running as an unprivileged uid.
 
 This file is the host side: `NamespaceBackend` owns a state folder, the layer store and one zygote process
 (zygote.py, which forks every sandbox); `NamespaceSandbox` is the `Sandbox` protocol over a socket to the sandbox's

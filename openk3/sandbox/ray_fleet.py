@@ -1,4 +1,4 @@
-"""The sandbox fleet over a Ray cluster (issue 13 item 4): the `Fleet` API with one `Fleet` actor per node.
+"""The sandbox fleet over a Ray cluster: the `Fleet` API with one `Fleet` actor per node.
 
     fleet = RayFleet(address="auto", max_sandboxes_per_node=256, warm=8)
     sb = fleet.create()               # on the node with the most free slots; a RaySandbox handle

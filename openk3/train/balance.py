@@ -1,8 +1,8 @@
-"""Training the router bias `e_score_correction_bias` (spec/balancing.md): K3's quantile balancing (QB, §2), the
-DeepSeek-V3 sign rule (§1) and none, behind `Balancer(model, method=...)`; plus the exact (non-histogram) QB
-reference and the offline alternating solver (§2.3, §2.5) that the tests compare against.
+"""Training the router bias `e_score_correction_bias`: K3's quantile balancing (QB), the DeepSeek-V3 sign rule and
+none, behind `Balancer(model, method=...)`; plus the exact (non-histogram) QB reference and the offline alternating
+solver (K3 report App. C) that the tests compare against.
 
-QB, per MoE layer and optimizer step (§2.1-2.2):
+QB, per MoE layer and optimizer step:
 
     alpha_i = (k+1)-th largest of s_i + b                      token i's cutoff (route_topk_cutoff)
     r_ij    = alpha_i − s_ij                                    expert j wins token i iff b_j > r_ij
@@ -10,11 +10,11 @@ QB, per MoE layer and optimizer step (§2.1-2.2):
     H       = all-reduce SUM over the ranks holding distinct tokens, once per step, all layers in one collective
     b̂_j     = the (k/n)-quantile of H[j], linearly interpolated inside its bin          (recover_quantile_bias)
     b       = b̂ − mean(b̂);  lo, hi = min b − 1, max b + 1;  H = 0
-    (optional, §2.2 EMA, default off: b = ema·b_old + (1 − ema)·(b̂ − mean b̂), i.e. the update damped)
+    (optional EMA, default off: b = ema·b_old + (1 − ema)·(b̂ − mean b̂), i.e. the update damped)
 
 The new b overwrites the old one and takes effect at the next step; at inference b is frozen (the observer ignores
 eval-mode calls and calls outside `Balancer.collecting()`).
-Sign rule (§1): b_j += γ·sign(q̄ − load_j), as written there: no centring, no histogram.
+Sign rule, as DeepSeek-V3 writes it: b_j += γ·sign(q̄ − load_j), no centring, no histogram.
 
 Legend: T tokens, E experts (= n), k experts per token, B histogram bins, L MoE layers.
 """
@@ -41,10 +41,10 @@ from openk3.train.metrics import expert_loads, max_vio, min_load
 def required_bias(
     scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int, exact_thresholds: bool = False
 ) -> torch.Tensor:
-    """r_ij = alpha_i − s_ij [T, E] (§2.1 step 2): the bias expert j needs to enter token i's top-k, with every
-    cutoff alpha_i held fixed. The old bias enters only through alpha.
+    """r_ij = alpha_i − s_ij [T, E]: the bias expert j needs to enter token i's top-k, with every cutoff alpha_i held
+    fixed. The old bias enters only through alpha.
 
-    exact_thresholds (§2.4's optional refinement, not K3's rule): for an expert outside token i's top-k use the k-th
+    exact_thresholds (an optional refinement, not K3's rule): for an expert outside token i's top-k use the k-th
     biased score instead of the (k+1)-th, i.e. the exact threshold given the other biases. K3's surrogate puts every
     token whose (k+1)-th choice is j exactly at r_ij = b_j, a point mass of about m/n tokens (q̄/k) that no bias
     inside one bin can split; with few experts per token (tiny: k = 2) that mass is half an expert's target load."""
@@ -73,9 +73,9 @@ def quantile_histogram(
     token_mask_T: torch.Tensor | None = None,
     exact_thresholds: bool = False,
 ) -> torch.Tensor:
-    """Counts of r_ij per expert in B uniform bins over [lo, hi]: int32 [E, B] (§2.2 Accumulate). Each kept token adds
-    one count to every expert's row. The bin index is computed in fp64 from the fp32 r, so the only rounding is
-    the floor itself and the histogram of a concatenation is exactly the sum of the shards' histograms."""
+    """Counts of r_ij per expert in B uniform bins over [lo, hi]: int32 [E, B]. Each kept token adds one count to every
+    expert's row. The bin index is computed in fp64 from the fp32 r, so the only rounding is the floor itself and the
+    histogram of a concatenation is exactly the sum of the shards' histograms."""
     E = scores_TE.shape[-1]
     r_TE = required_bias(scores_TE, bias_E, k, exact_thresholds)
     if token_mask_T is not None:
@@ -86,8 +86,8 @@ def quantile_histogram(
 
 
 def recover_quantile_bias(hist_EB: torch.Tensor, lo: float, hi: float, k: int) -> torch.Tensor:
-    """b̂ [E] fp64, not yet centred (§2.2 Recover): per expert the (k/n)-quantile of the binned r, interpolated
-    linearly inside the bin that holds the ceil(q)-th smallest value.
+    """b̂ [E] fp64, not yet centred: per expert the (k/n)-quantile of the binned r, interpolated linearly inside the bin
+    that holds the ceil(q)-th smallest value.
     |b̂_j − true quantile| ≤ w = (hi − lo)/B."""
     E, B = hist_EB.shape
     hist = hist_EB.long()
@@ -103,14 +103,14 @@ def recover_quantile_bias(hist_EB: torch.Tensor, lo: float, hi: float, k: int) -
 
 def quantile_bias_update(hist_EB: torch.Tensor, lo: float, hi: float, k: int, bias_E: torch.Tensor,
                          ema: float = 0.0) -> torch.Tensor:  # fmt: skip
-    """The new bias from one step's histogram (§2.2 Recover, centre, and the optional EMA): b = ema·b_old +
+    """The new bias from one step's histogram (recover, centre, and the optional EMA): b = ema·b_old +
     (1 − ema)·(b̂ − mean b̂), in b_old's dtype. ema = 0 is K3's rule."""
     b_hat_E = recover_quantile_bias(hist_EB, lo, hi, k)
     return (ema * bias_E.double() + (1.0 - ema) * (b_hat_E - b_hat_E.mean())).to(bias_E.dtype)
 
 
 def exact_quantile_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int) -> torch.Tensor:
-    """One exact QB step (§2.5): b̂_j = midpoint of the q-th and (q+1)-th smallest r_ij over tokens,
+    """One exact QB step: b̂_j = midpoint of the q-th and (q+1)-th smallest r_ij over tokens,
     q = round(T·k/n), then mean-centred. The midpoint (not an order statistic) keeps every biased score off its
     cutoff, so the routes survive rounding and common shifts. Returns b [E] in the scores' dtype."""
     T, E = scores_TE.shape
@@ -123,9 +123,10 @@ def exact_quantile_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int) -
 
 
 def solve_exact(scores_TE: torch.Tensor, k: int, iters: int, bias_E: torch.Tensor | None = None) -> torch.Tensor:
-    """The offline alternating solver (§2.3, App. C): `iters` exact QB steps on one fixed score matrix from
+    """The offline alternating solver (K3 report App. C): `iters` exact QB steps on one fixed score matrix from
     `bias_E` (default 0). Coordinate descent on the LP dual: overloaded experts are corrected exactly, underloaded
-    ones under-corrected (§2.4), so it converges over several iterations."""
+    ones under-corrected (for an expert outside a token's top-k, QB's cutoff is below the exact threshold), so it
+    converges over several iterations."""
     b_E = torch.zeros(scores_TE.shape[-1], dtype=scores_TE.dtype) if bias_E is None else bias_E.to(scores_TE.dtype)
     for _ in range(iters):
         b_E = exact_quantile_bias(scores_TE, b_E, k)
@@ -136,9 +137,9 @@ def solve_exact(scores_TE: torch.Tensor, k: int, iters: int, bias_E: torch.Tenso
 def near_ties(
     scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int, width: float, token_mask_T: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """How many tokens have k-th and (k+1)-th biased scores closer than `width` (int64 scalar): spec §3's router health.
+    """How many tokens have k-th and (k+1)-th biased scores closer than `width` (int64 scalar): router health.
     Those tokens sit on a cutoff, where a bias error of a fraction of a bin moves whole groups of them between
-    experts (the saturated-score hazard of §2.7)."""
+    experts (the hazard when scores saturate near 1 and cutoffs pack densely)."""
     top_Tk1 = torch.topk(scores_TE.float() + bias_E.float(), k + 1, dim=-1, sorted=True).values
     tied_T = (top_Tk1[:, k - 1] - top_Tk1[:, k]) < width
     if token_mask_T is not None:
@@ -166,7 +167,7 @@ def _write_bias(p: torch.Tensor, b_E: torch.Tensor) -> None:
 
 
 class Balancer:
-    """Owns the router-bias update of every MoE layer in `model` (spec/balancing.md §1-2).
+    """Owns the router-bias update of every MoE layer in `model`.
 
     Registers itself as the `observer` of each layer with a `gate.e_score_correction_bias` (StableLatentMoE).
     Per optimizer step: wrap each micro-batch's forward in `collecting()`, then call `step()` once, on every rank,
@@ -227,7 +228,7 @@ class Balancer:
 
         token_mask: optional bool [T] over the packed tokens every MoE layer sees in this forward (the flattened
         input_ids of `model(input_ids)`); False tokens are left out of H and the loads. Packing makes no padding,
-        so the trainer normally passes none (spec §2.2 leaves padding to us)."""
+        so the trainer normally passes none (K3 does not say how padding counts; we leave it out)."""
         if self._collecting:
             raise RuntimeError("Balancer.collecting() is not re-entrant")
         self._collecting, self._token_mask_T = True, token_mask
@@ -291,10 +292,10 @@ class Balancer:
     @torch.no_grad()
     def step(self) -> dict:
         """End of an optimizer step: reduce, update every layer's bias per `method`, reset the counts, and return
-        the step's metrics (spec §3) from the global-batch loads routed with the *old* bias:
+        the step's metrics from the global-batch loads routed with the *old* bias:
         max_vio (max over layers of MaxVio_batch), max_vio_per_layer, min_load_per_layer, zero_load_experts_per_layer,
         loads (per layer, per expert), bias_std_per_layer, bias_change_per_layer (L2 of the update),
-        bin_width_per_layer (w after the update), near_tie_fraction_per_layer (router health, §3: the fraction of
+        bin_width_per_layer (w after the update), near_tie_fraction_per_layer (router health: the fraction of
         tokens whose k-th and (k+1)-th biased scores differ by less than the bin width w in use this step),
         tokens_per_step (m), q_bar (m·k/n of the first layer)."""
         loads_LE, hists, ties = self._reduced_counts()
@@ -306,7 +307,7 @@ class Balancer:
             old.append(b_E.clone())
             k, E = layer.top_k, b_E.numel()
             m = int(loads[i].sum()) // k
-            if m > 0 and self.method == "quantile":  # no token this step: keep b (§2.2)
+            if m > 0 and self.method == "quantile":  # no token this step: keep b
                 b_E = quantile_bias_update(hists[i], self.lo[i], self.hi[i], k, b_E, self.ema)
             elif m > 0 and self.method == "sign":
                 b_E = b_E + (self.sign_rate * torch.sign(m * k / E - loads_LE[i].double())).to(b_E.dtype)

@@ -47,12 +47,12 @@ class TrainConfig:
     out: str = flag("runs/tiny", "run folder: checkpoints, metrics.jsonl, train_config.json", required=True)
     balance: str = flag("quantile", "router-bias balancing: quantile (K3), sign (DeepSeek-V3) or none",
                         choices=BALANCE_METHODS)  # fmt: skip
-    balance_exact_thresholds: bool = flag(False, "quantile balancing with exact per-entry thresholds (spec §2.4 "
+    balance_exact_thresholds: bool = flag(False, "quantile balancing with exact per-entry thresholds (a "
                                           "refinement, not K3's rule; helps small k)")  # fmt: skip
     # More bins resolve near-tied scores better.
     balance_bins: int = flag(1000, "quantile-balancing histogram bins (K3: 1000)")
-    balance_ema: float = flag(0.0, "damped QB update b = ema*b_old + (1-ema)*b_new (spec/balancing.md §2.2; "
-                              "0: K3's rule)")  # fmt: skip
+    balance_ema: float = flag(0.0, "damped QB update b = ema*b_old + (1-ema)*b_new "
+                              "(0: K3's rule)")  # fmt: skip
     batch_size: int = flag(16, "global batch in sequences of the final length")
     micro_batch_size: int | None = flag(None, "sequences per forward/backward (gradient accumulation; default: the "
                                         "whole batch)")  # fmt: skip

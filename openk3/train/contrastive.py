@@ -1,7 +1,7 @@
 """Contrastive (CLIP-style InfoNCE) pre-training of the vision tower: the initialisation the K3 report compared its
-from-scratch tower against (issue 16 item 6). `k3 train --preset tiny-vl --contrastive-steps N` runs it before
-joint training; joint training then starts from the pre-trained tower (the projector and text model keep their
-from-scratch init, so the two runs differ only in the tower's starting point).
+from-scratch tower against. `k3 train --preset tiny-vl --contrastive-steps N` runs it before joint training; joint
+training then starts from the pre-trained tower (the projector and text model keep their from-scratch init, so the two
+runs differ only in the tower's starting point).
 
 The pair of a batch is (image, caption) from the same training stream as joint training (`vision_tasks.caption`:
 the text read off the image, or the scene's shapes). Image side: the tower's output patches, mean-pooled per

@@ -1,12 +1,12 @@
-"""MoE load metrics (spec/balancing.md §3): expert loads, MaxVio, MinLoad, and the noise floor that perfectly
-balanced random routing shows at a given number of tokens per step.
+"""MoE load metrics: expert loads, MaxVio, MinLoad, and the noise floor that perfectly balanced random routing shows at
+a given number of tokens per step.
 
     q̄        = m·k/n                        target load per expert for m tokens, n experts, k experts per token
     MaxVio   = max_j load_j / q̄ − 1          over one step's global batch (MaxVio_batch; Wang et al. 2024)
     MinLoad  = min_j load_j / q̄
 
-Per-batch noise is about 1/√q̄ (§3), so a balance target must be stated against the floor measured at the same
-tokens per step: `random_routing_maxvio_floor`.
+Per-batch noise is about 1/√q̄, so a balance target must be stated against the floor measured at the same tokens per
+step: `random_routing_maxvio_floor`.
 
 Legend: T tokens, E experts (= n), k experts per token, L MoE layers.
 """

@@ -1,8 +1,8 @@
 """Optimizer parameter groups and learning-rate schedules.
 
-Groups (spec/balancing.md §6): matrices (projections, experts, embeddings, LM head) get weight decay; vectors and
-scalars (norm gains, AttnRes pseudo-queries, A_log, dt_bias, conv kernels) get none. The router's
-`e_score_correction_bias` is not an optimizer parameter at all: load balancing overwrites it.
+Groups: matrices (projections, experts, embeddings, LM head) get weight decay; vectors and scalars (norm gains, AttnRes
+pseudo-queries, A_log, dt_bias, conv kernels) get none. The router's `e_score_correction_bias` is not an optimizer
+parameter at all: load balancing overwrites it.
 
 `--optimizer muon` (one process only): torch.optim.Muon (momentum 0.95, Nesterov, 5 Newton–Schulz steps, and
 Moonshot's `match_rms_adamw` learning-rate scaling, so the AdamW learning rate carries over) for the 2-D weights of

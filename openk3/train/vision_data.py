@@ -1,5 +1,5 @@
-"""VisionRunData: what `k3 train --preset tiny-vl --data vision` reads (issue 16 item 5): the embedded image-text
-tasks of `openk3.data.vision_tasks`, image and text in one token stream from the first step.
+"""VisionRunData: what `k3 train --preset tiny-vl --data vision` reads: the embedded image-text tasks of
+`openk3.data.vision_tasks`, image and text in one token stream from the first step.
 
 One example is one sequence, in the pre-training stream form (not a chat: K3 pre-trains on interleaved image-text
 by next-token prediction):
@@ -67,10 +67,9 @@ class VisionBatch:
 def task_tokenizer(text_config, log=print):
     """A byte-level BPE with the model's vocabulary and K3's special layout, trained on the tasks' prompts and the
     scene answers, not on the text read off images: that text is left to small pieces (about 4 ids per word), so
-    reading is learned letter by letter, shared across words and codes. (Trained on the word list as well, 200 of
-    the 246 words become single ids and the answer is a 246-way guess per word: in a side-by-side run at the same
-    steps the answer loss stayed at the no-image level, 3.2 nats/token after 325 steps, while the letter-level
-    tokenizer's kept falling; docs/notes.md.)"""
+    reading is learned letter by letter, shared across words and codes. A BPE trained on the word list as well makes
+    200 of the 246 words single ids, and its answer loss stayed at the no-image level where the letter-level one kept
+    falling (docs/notes.md)."""
     texts = []
     for i in range(BPE_EXAMPLES):
         ex = vt.example(i, seed=0, split="tokenizer")

@@ -1,6 +1,6 @@
-"""Evaluation of a vision run (issue 16 item 5): greedy answers to held-out image questions, scored by exact match
-and character error rate (`vision_tasks.exact_match`, `character_error_rate`), overall and per task kind, beside
-the same model fed a blank image of the same size (it can only guess from the prompt).
+"""Evaluation of a vision run: greedy answers to held-out image questions, scored by exact match and character error
+rate (`vision_tasks.exact_match`, `character_error_rate`), overall and per task kind, beside the same model fed a blank
+image of the same size (it can only guess from the prompt).
 
     val_loss            teacher-forced answer cross-entropy on the held-out examples
     vision_exact        exact-match accuracy of greedy answers (all kinds); vision_exact_<kind> per kind

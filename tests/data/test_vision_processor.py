@@ -1,4 +1,4 @@
-"""The image processor against the release: the golden cases of spec `vision.md` §9 exactly, the official processor's
+"""The image processor against the release: the golden cases from public ports' tests exactly, the official processor's
 `pixel_values` / `grid_thws` for the fixture images bit-exactly, compositing of transparent images on the chessboard,
 mode conversion, the per-side limit and the patch budget at their edges, the config reader, and bad inputs."""
 
@@ -49,7 +49,7 @@ def _noise(w: int, h: int, seed: int = 0, mode: str = "RGB") -> Image.Image:
     return Image.fromarray(arr[:, :, 0] if bands == 1 else arr, mode)
 
 
-# Golden cases of spec §9: (w, h, cfg overrides) -> resized size, padding, grid (t, h, w), tokens.
+# Golden cases from public K3 ports' tests: (w, h, cfg overrides) -> resized size, padding, grid (t, h, w), tokens.
 GOLDEN = [
     ((225, 223), {}, (225, 223), (27, 1), (1, 16, 18), 72),
     ((3585, 3585), {"in_patch_limit": 65536}, (3585, 3585), (27, 27), (1, 258, 258), 16641),

@@ -88,7 +88,7 @@ def idle_rank(rank: int, world: int):
 
 
 def test_a_rank_whose_experts_get_no_tokens_joins_every_backward_collective():
-    """Issue 20's hang at step 8: when routing sends no rows to a rank, its reverse all-to-alls in backward must still
+    """The EP hang at step 8: when routing sends no rows to a rank, its reverse all-to-alls in backward must still
     run (the empty expert output used to be cut from the graph, so the other ranks waited in all_to_all until the
     collective timeout). Same loss and gradients as one process, including the idle rank's zero expert gradients."""
     ref = two_layer_model()

@@ -1,12 +1,12 @@
 """The README's expert-parallel layouts (`k3 train --nproc 4 --dp 2 --ep 2`, `--nproc 2 --ep 2`) train 20 steps
 through the real entry point (torchrun -m openk3.train) without hanging.
 
-The EP hang (issue 20) came after step 7: a rank whose experts routing left without tokens dropped its reverse
-all-to-alls from the backward while the others waited in them. Few tokens per step (4 sequences of 16) make such a
-step likely within 20: with the fix reverted both layouts fail at step 12, every rank with a CollectiveError (ranks
-1 and 3 waiting in all_to_all_single on mesh_ep, ranks 0 and 2 in FSDP's reduce_scatter_single: the reported hang).
-A short collective timeout turns a hang into that error, and the launch has its own deadline, so a hang can never
-leave the test suite stuck. The step-10 checkpoint also runs mid-training here, at both layouts."""
+The EP hang came after step 7: a rank whose experts routing left without tokens dropped its reverse all-to-alls from the
+backward while the others waited in them. Few tokens per step (4 sequences of 16) make such a step likely within 20:
+with the fix reverted both layouts fail at step 12, every rank with a CollectiveError (ranks 1 and 3 waiting in
+all_to_all_single on mesh_ep, ranks 0 and 2 in FSDP's reduce_scatter_single: the reported hang). A short collective
+timeout turns a hang into that error, and the launch has its own deadline, so a hang can never leave the test suite
+stuck. The step-10 checkpoint also runs mid-training here, at both layouts."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Router-bias balancing (spec/balancing.md §2.6): the hand-checked histogram vector, the Fig. 5 exact step, the
-property tests 1-8, histogram ≡ exact within one bin, the tiny K3 model, and 2 gloo ranks ≡ one process."""
+"""Router-bias balancing: the hand-checked histogram vector, the Fig. 5 exact step, the property tests 1-8,
+histogram ≡ exact within one bin, the tiny K3 model, and 2 gloo ranks ≡ one process."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def synthetic_scores(m, n, sigma_e=0.5, seed=0, dtype=torch.float32):
-    """§2.7's synthetic router: per-token logits N(0, 1) plus a per-expert popularity offset N(0, σ_e²)."""
+    """A synthetic router: per-token logits N(0, 1) plus a per-expert popularity offset N(0, σ_e²)."""
     gen = torch.Generator().manual_seed(seed)
     popularity_E = sigma_e * torch.randn(n, generator=gen, dtype=torch.float64)
     logits = torch.randn(m, n, generator=gen, dtype=torch.float64) + popularity_E
@@ -73,7 +73,7 @@ def biases(model):
     return [layer.gate.e_score_correction_bias.detach().clone() for layer in model]
 
 
-# ---- spec §2.6 (a), (b) -------------------------------------------------------------------------------------
+# ---- hand-checked histogram recovery and the Fig. 5 exact step ----------------------------------------------
 
 
 def test_histogram_recovery_hand_checked_vector():
@@ -110,11 +110,11 @@ def test_fig5_through_the_balancer_quantile_sign_none():
         out[method] = model[0].gate.e_score_correction_bias.detach()
     # The histogram estimate sits within one bin of the exact rule's quantile and balances this batch too.
     assert loads_of(s, out["quantile"], 1).tolist() == [2, 2, 2, 2]
-    assert torch.equal(out["sign"], torch.tensor([-1e-3, -1e-3, 1e-3, 1e-3]))  # γ·sign(q̄ − load), §1
+    assert torch.equal(out["sign"], torch.tensor([-1e-3, -1e-3, 1e-3, 1e-3]))  # γ·sign(q̄ − load)
     assert torch.equal(out["none"], torch.zeros(4))
 
 
-# ---- spec §2.6 (c) properties -------------------------------------------------------------------------------
+# ---- properties 1-8 -----------------------------------------------------------------------------------------
 
 
 def test_1_shift_invariance_of_midpoint_and_histogram_biases():
@@ -167,7 +167,7 @@ def test_4_sharding_histograms_add_and_1_2_4_ranks_give_identical_b():
     assert int(pooled.sum()) == m * n
     shards = sum(quantile_histogram(part, bias, k, lo, hi, B) for part in s.chunk(4))
     assert torch.equal(shards, pooled)
-    # The estimate shares a bin with the pooled exact ceil(q)-th smallest r (§2.2 Error).
+    # The estimate shares a bin with the pooled exact ceil(q)-th smallest r, so |error| ≤ w.
     b_hat = recover_quantile_bias(pooled, lo, hi, k)
     r_sorted = required_bias(s, bias, k).double().sort(dim=0).values
     w = (hi - lo) / B
@@ -319,7 +319,7 @@ def test_bad_arguments_are_loud():
         Balancer(fake_model(1, 8, 2), ema=1.0)
 
 
-# ---- §2.2 optional EMA and §3 router health --------------------------------------------------------------------
+# ---- optional EMA and router health ----------------------------------------------------------------------------
 
 
 def test_ema_damps_the_update_and_zero_is_k3s_rule():

@@ -1,5 +1,5 @@
-"""spec/balancing.md §2.4's optional exact-threshold refinement: same fixed point as K3's rule, no point mass at the
-current bias, so it converges where k is small (the tiny preset routes top-2 of 8)."""
+"""The optional exact-threshold refinement of quantile balancing (not K3's rule): same fixed point as K3's rule, no
+point mass at the current bias, so it converges where k is small (the tiny preset routes top-2 of 8)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_exact_thresholds_match_single_expert_thresholds():
         others = torch.cat([s[:, :j] + b[:j], s[:, j + 1 :] + b[j + 1 :]], dim=1)
         kth_other = others.topk(2, dim=1).values[:, 1]  # expert j enters the top-2 iff s_ij + b_j > this
         assert torch.allclose(r[:, j], kth_other - s[:, j])
-    # K3's surrogate equals it on selected entries and never exceeds it elsewhere (spec §2.4).
+    # K3's surrogate equals it on selected entries and never exceeds it elsewhere.
     r_k3 = required_bias(s, b, 2)
     assert torch.all(r_k3 <= r + 1e-12)
 

@@ -1,6 +1,6 @@
-"""A killed or damaged run always resumes (issue 19 item 8): a kill in the first save restarts from step 0; a
-damaged `latest` checkpoint is skipped with a warning for the newest good one, and the run continues exactly from
-there; `resolve_checkpoint` (generate, serve, export) skips it too; checkpoint files honour the umask."""
+"""A killed or damaged run always resumes: a kill in the first save restarts from step 0; a damaged `latest` checkpoint
+is skipped with a warning for the newest good one, and the run continues exactly from there; `resolve_checkpoint`
+(generate, serve, export) skips it too; checkpoint files honour the umask."""
 
 from __future__ import annotations
 

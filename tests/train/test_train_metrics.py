@@ -1,4 +1,4 @@
-"""MoE load metrics (spec/balancing.md §3): loads, MaxVio, MinLoad, and the random-routing noise floor."""
+"""MoE load metrics: loads, MaxVio, MinLoad, and the random-routing noise floor."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from openk3.train.metrics import (
 
 
 def test_loads_maxvio_minload_on_the_fig5_routes():
-    idx_Tk = torch.tensor([0, 1, 1, 2, 0, 0, 0, 1])[:, None]  # spec §2.6(b), before the update
+    idx_Tk = torch.tensor([0, 1, 1, 2, 0, 0, 0, 1])[:, None]  # test_balance.FIG5_SCORES routed before the update
     loads_E = expert_loads(idx_Tk, 4)
     assert loads_E.tolist() == [4, 3, 1, 0]
     assert max_vio(loads_E, k=1, m=8) == 1.0  # 4 / q̄ − 1 with q̄ = 2

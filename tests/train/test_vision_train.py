@@ -1,6 +1,6 @@
-"""`k3 train --preset tiny-vl` (issue 16 items 5-6): the packed image-text batches, the packed multimodal forward
-against the padded reference, the trainer's vision step (accumulation, exact resume, the tower's gradient norm),
-greedy evaluation, the contrastive stage, and the config's checks."""
+"""`k3 train --preset tiny-vl`: the packed image-text batches, the packed multimodal forward against the padded
+reference, the trainer's vision step (accumulation, exact resume, the tower's gradient norm), greedy evaluation, the
+contrastive stage, and the config's checks."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ the checks every reader and writer of a checkpoint folder uses (`file_inside`, `
 `release_freed_memory`. The CPU thread rule (`pick_threads`, `set_threads`) lives in `openk3.threads`; its names are
 re-exported here for the code that imported them from this module.
 
-Only the standard library and torch may be imported here (see STYLE.md §2).
+Only the standard library, torch and `openk3.threads` may be imported here (tests/test_layering.py checks it).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 
 from openk3.threads import physical_cores, pick_threads, set_threads  # noqa: F401  (re-exported)
 
-# ln(fp32 max) ~ 88.72: e^x overflows to inf above it. KDA's tiles need chunk * |gate lower bound| below it
-# (spec/kda.md §5).
+# ln(fp32 max) ~ 88.72: e^x overflows to inf above it. KDA's tiles need chunk * |gate lower bound| below it, so
+# that exp(-(cumulative gate)) of a chunk stays finite.
 FP32_EXP_LIMIT = 88.72
 
 _DTYPES = {
@@ -45,7 +45,7 @@ def to_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative RMS error rms(a - b) / rms(b), computed in fp64 (the metric of STYLE.md §5)."""
+    """Relative RMS error rms(a - b) / rms(b), computed in fp64 (the metric every equivalence test of a fast path against its reference reports)."""
     a64, b64 = a.detach().double(), b.detach().double()
     denom = b64.pow(2).mean().sqrt().item()
     num = (a64 - b64).pow(2).mean().sqrt().item()

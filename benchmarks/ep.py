@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from report import write_report
+from report import out_help, scratch_out, write_report
 
 from openk3.config import K3Config
 from openk3.train.balance import bias_bounds, quantile_histogram, recover_quantile_bias
@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--qb-steps", type=int, default=20, help="quantile-balancing steps before measuring")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small batches (seconds; for tests)")
-    p.add_argument("--out", default="benchmarks/results/ep-sim.json")
+    p.add_argument("--out", default=None, help=out_help("ep-sim"))
     args = p.parse_args(argv)
+    args.out = args.out or scratch_out("ep-sim")
     text = K3Config.preset("k3").text_config
     E, k, latent = text.num_experts, text.num_experts_per_token, text.routed_expert_hidden_size
     tokens = 64 if args.quick else args.tokens_per_rank

@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import time
 
-from report import load_info, machine_info, targets_table, write_report
+from report import load_info, machine_info, out_help, scratch_out, targets_table, write_report
 
 from openk3.sandbox.fleet import Fleet, open_backend
 
@@ -37,8 +37,7 @@ REPORT_SNAPSHOT_MS, REPORT_RESTORE_MS = 133.0, 49.0  # K3 report's VM checkpoint
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="k3 sandbox bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small numbers throughout (seconds; for tests)")
-    p.add_argument("--out", default=None, help="JSON path, the .md beside it (default: benchmarks/results/sandbox-cpu"
-                   ".json; with --quick runs/bench/sandbox-quick.json, never the committed results)")  # fmt: skip
+    p.add_argument("--out", default=None, help=out_help("sandbox-cpu") + " (--quick: runs/bench/sandbox-quick.json)")
     p.add_argument("--workspace-mb", type=int, default=100)
     p.add_argument("--change-mb", type=int, default=1)
     p.add_argument("--reps", type=int, default=40, help="snapshot/restore rounds (past 32, one flattens the chain)")
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.workspace_mb, args.reps, args.fork, args.creates, args.execs, args.idle = 4, 3, 4, 5, 10, 8
-    args.out = args.out or ("runs/bench/sandbox-quick.json" if args.quick else "benchmarks/results/sandbox-cpu.json")
+    args.out = args.out or scratch_out("sandbox-quick" if args.quick else "sandbox-cpu")
 
     result = {"machine": machine_info(), "args": vars(args)}
     backend = open_backend("namespace", None, {})

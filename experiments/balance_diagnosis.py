@@ -1,6 +1,6 @@
 """Where MaxVio comes from: the quantile-balancing rule, or the composition of the batches it is measured on.
 
-    python benchmarks/balance_diagnosis.py --ckpt RUN_DIR_OR_CHECKPOINT [--batches 40] [--out benchmarks/results/balance-diagnosis]
+    python experiments/balance_diagnosis.py --ckpt RUN_DIR_OR_CHECKPOINT [--batches 40] [--out benchmarks/results/balance-diagnosis]
 
 A trained model is frozen (no drift), its router scores s [T, E] are recorded per MoE layer on fresh training batches,
 and quantile balancing (the trainer's own histogram code) is replayed on those scores, step after step: the bias
@@ -32,7 +32,7 @@ import os
 import statistics
 
 import torch
-from report import write_report
+from bench import report as results  # benchmarks/report.py, loaded by path (experiments/bench.py)
 
 from openk3.model.batch import ForwardBatch
 from openk3.ops.moe.route import route_topk
@@ -130,7 +130,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="16x256,32x256,128x64", help="rows x seq_len per step, comma separated")
     parser.add_argument("--bins", type=int, default=1000)
     parser.add_argument("--ema", type=float, default=0.5, help="the damped variant's --balance-ema")
-    parser.add_argument("--out", default="benchmarks/results/balance-diagnosis")
+    parser.add_argument("--out", default="runs/experiments/balance-diagnosis",
+                   help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
+                   "--out benchmarks/results/balance-diagnosis replaces the committed result)")
     args = parser.parse_args()
     model, ckpt = load_model(args.ckpt, dtype=torch.float32)
     model.eval()
@@ -153,7 +155,7 @@ def main() -> None:
               *(json.dumps({key: round(v, 4) for key, v in row.items()}) for row in d["per_layer"]), sep="\n", flush=True)  # fmt: skip
     markdown = _markdown(report)
     print(markdown)
-    write_report(report, args.out, markdown)
+    results.write_report(report, args.out, markdown)
 
 
 COLUMNS = ("rows", "shuffled", "rows_exact_ema", "shuffled_exact_ema", "oracle", "in_sample",
@@ -162,7 +164,7 @@ COLUMNS = ("rows", "shuffled", "rows_exact_ema", "shuffled_exact_ema", "oracle",
 
 def _markdown(r: dict) -> str:
     lines = [
-        "# Where MaxVio comes from (`benchmarks/balance_diagnosis.py`)\n",
+        "# Where MaxVio comes from (`experiments/balance_diagnosis.py`)\n",
         (
             f"Frozen checkpoint `{r['checkpoint']}`; {r['num_experts']} experts, top-{r['k']}; {r['batches']} fresh batches "
             f"per shape, the first 5 replayed steps dropped; QB with {r['bins']} bins.\n"

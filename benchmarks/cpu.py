@@ -1,5 +1,5 @@
 """`k3 bench cpu` (or `python benchmarks/cpu.py`): openk3's CPU inference against llama.cpp on the same checkpoint
-(issue 17 item 4), both measured in one run, interleaved, and written to runs/bench/cpu.{json,md} (`--out-dir
+(the CPU inference targets), both measured in one run, interleaved, and written to runs/bench/cpu.{json,md} (`--out-dir
 benchmarks/results`: the committed results).
 
 - the checkpoint: `--ckpt DIR`, or a random `k3 init --preset medium` (418M total, 243M active: 1024 wide, 16 layers,
@@ -16,7 +16,7 @@ benchmarks/results`: the committed results).
   experts of every MoE layer, one embedding row) over the read bandwidth;
 - fidelity: llama.cpp's fp32 logits against openk3's (`logits_rel_rms`; alone: `python benchmarks/cpu.py fidelity
   --ckpt DIR`);
-- this CPU (issue 55): its ISA features, which build of the decode kernels ran (AVX-512, AVX2, portable) and whether
+- this CPU: its ISA features, which build of the decode kernels ran (AVX-512, AVX2, portable) and whether
   bf16 products run natively or widened to fp32 (`ops.widen`); dtype `auto` serves the checkpoint as `LLM(dtype=
   "auto")` does (fp32 for a bf16 checkpoint on a CPU without bf16 arithmetic, where it fits), and the report
   compares bf16 and auto with fp32 (prefill and decode medians of the same run, target >= 0.95x there);
@@ -668,7 +668,7 @@ def markdown(r: dict, dtypes: list[str], args) -> str:
         f"read+write (median {bw['copy_gbs_median']:.1f}), {bw['buffer_gib']:g} GiB random fp32 buffer, best of "
         f"{bw['repeats']}; matmul {', '.join(f'{k} {v:.0f}' for k, v in r['matmul_gflops'].items())} GFLOP/s."), "",
     ]  # fmt: skip
-    lines += targets_table(r["targets"], "issue 17 item 4 and issue 55", na="not measured")
+    lines += targets_table(r["targets"], "CPU inference against llama.cpp, and each CPU kind", na="not measured")
     lines += ["", f"## Throughput ({args.rounds} interleaved rounds; median [min, max])", "",
               (f"Prefill: one sequence of {args.prefill_tokens} tokens (one engine step / one llama eval). Decode: "
                f"batch 1, {args.decode_tokens} single-token steps after a {PROMPT_TOKENS}-token prompt; tok/s = "

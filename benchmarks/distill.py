@@ -1,4 +1,4 @@
-"""The distillation benchmark and worked recipe (issue 15 targets), one run on this machine, written to
+"""The distillation benchmark and worked recipe (the multi-teacher distillation targets), one run on this machine, written to
 runs/bench/distill-cpu.{json,md} unless `--out` names the place (`--out benchmarks/results/distill-cpu` replaces the
 committed results):
 
@@ -66,7 +66,7 @@ from openk3.train.optim import param_groups
 
 # ---- the recipe ------------------------------------------------------------------------------------------------------
 # The worked distillation recipe on CPU (step 1 above): a cold-start student and one teacher per domain
-# and effort, all tiny, all from the RL issue's task families, all built with SFT on scripted demonstrations.
+# and effort, all tiny, all from the RL task families, all built with SFT on scripted demonstrations.
 #
 #     domains     calculator, code-fix (no effort tag: thinking off, as `k3 rl` episodes)
 #                 files:low, files:max (thinking on; the effort decides how much the think channel says)
@@ -656,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     title = "# Multi-teacher distillation on CPU (`python benchmarks/distill.py"
     title += f" --from-rl {args.from_rl}`): from an RL expert" if args.from_rl else "`)"
     lines = [title, "", header, "",
-             *targets_table(targets, "issue 15"), "", teachers_title, "", "| key | success | length |",
+             *targets_table(targets, "multi-teacher distillation"), "", teachers_title, "", "| key | success | length |",
              "|---|---|---|"]  # fmt: skip
     lines += [f"| {k} | {v['success']:.0%} | {v['length']:.0f} |" for k, v in sorted(teacher_eval.items())]
     tagged = " (effort-tagged)" if any(k.effort for k in keys) else ""

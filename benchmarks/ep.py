@@ -1,8 +1,8 @@
-"""`k3 bench ep` (or `python benchmarks/ep.py`): expert-parallel balance at K3 scale, simulated (issue #7): what each
+"""`k3 bench ep` (or `python benchmarks/ep.py`): expert-parallel balance at K3 scale, simulated: what each
 rank receives in the MoE all-to-all, with and without quantile balancing, and with a MoonEP-style plan of replicated
 hot experts.
 
-Synthetic router (spec/balancing.md §2.7): per-token logits N(0, 1) plus a per-expert popularity offset N(0, σ_e²),
+Synthetic router (popular experts, as a trained router has them): per-token logits N(0, 1) plus a per-expert popularity offset N(0, σ_e²),
 scores = sigmoid. n = 896 experts, top-16, experts split evenly over R ∈ {8, 32, 64} ranks, S tokens per rank.
 
 - plain: top-k of the scores (router bias 0);

@@ -1,13 +1,13 @@
 """`k3 bench kda` (or `python benchmarks/kda.py`): KDA speed on this machine against the matmul limit, the baselines
-and softmax attention (issue #3).
+and softmax attention.
 
 Owns the CPU benchmark of the KDA ops: for each shape, length T, input dtype and mode (forward, forward+backward)
 it times the recurrent reference (`kda_recurrent`), the fast chunked path (`kda_chunked`; for bf16 inputs
-`kda_chunked_bf16`, the op with bf16 tile operands that issue #3's bf16 targets are about), the pre-K3 log-space
+`kda_chunked_bf16`, the op with bf16 tile operands that the bf16 targets are about), the pre-K3 log-space
 baseline (`kda_chunked_logspace`, at the end of this file), fla-core's pure-torch `naive_recurrent_kda` (loaded
 standalone, no triton) and causal softmax attention (`scaled_dot_product_attention`, same heads and width). It
 measures the machine's fp32 and bf16 matmul rates in the same run and reports each cell's achieved GFLOP/s as a
-fraction of them, peak memory (kernel VmHWM reset per cell), accuracy checks, and every target of the issue as
+fraction of them, peak memory (kernel VmHWM reset per cell), accuracy checks, and every KDA target as
 measured / met. Cells that cannot run in the memory or time budget are kept, marked skipped with the reason.
 
 FLOP conventions (per head; C = 16 tile rows, matmul FLOPs only, elementwise work not counted):
@@ -141,7 +141,7 @@ def skip_reason(path, mode, T, cfg, dtype, fla_reason, args) -> str | None:
         if fla_reason is not None:
             return fla_reason
         if mode == "fwd+bwd":
-            return "forward-only comparison: the issue's target is fla's naive forward"
+            return "forward-only comparison: the target is fla's naive forward"
     if path == "recurrent" and mode == "fwd" and T > 8192:
         return "token-loop reference beyond 8K: 6+ GiB resident (one run was OOM-killed on this shared 24 GiB machine)"
     if path == "recurrent" and mode == "fwd+bwd" and T > 2048:
@@ -298,7 +298,7 @@ def _find(cells, **kw):
 
 
 def evaluate_targets(cells, result) -> list[dict]:
-    """Every target of issue #3 as measured in this run: value, met (True/False) or None when not measurable."""
+    """Every KDA target as measured in this run: value, met (True/False) or None when not measurable."""
     out = []
 
     def add(target, measured, met):
@@ -380,7 +380,7 @@ def markdown(result) -> str:
         "Matmul rate (best 2048² GEMM, this run): "
         + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result["matmul_gflops"].items()) + ".", "",
     ]  # fmt: skip
-    lines += targets_table(result["targets"], "issue #3")
+    lines += targets_table(result["targets"], "KDA on CPU")
     lines += ["", "## Cells", "", "| shape | dtype | path | mode | T | ms (min) | ms (median) | GFLOP/s | % matmul | "
               "peak MiB |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for c in result["cells"]:

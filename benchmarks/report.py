@@ -49,10 +49,10 @@ def out_help(committed: str) -> str:
             f"not committed; --out benchmarks/results/{committed} replaces the committed results)")
 
 
-def targets_table(targets: list[dict], issue: str, na: str = "n/a") -> list[str]:
-    """The "Targets" section every benchmark report opens with: one row per {"target", "measured", "met"}, where met
-    None (not measured at full size) reads `na`."""
-    lines = [f"## Targets ({issue})", "", "| target | measured | met |", "|---|---|---|"]
+def targets_table(targets: list[dict], subject: str, na: str = "n/a") -> list[str]:
+    """The "Targets" section every benchmark report opens with ("## Targets: SUBJECT"): one row per {"target",
+    "measured", "met"}, where met None (not measured at full size) reads `na`."""
+    lines = [f"## Targets: {subject}", "", "| target | measured | met |", "|---|---|---|"]
     for t in targets:
         met = "yes" if t["met"] else "**no**" if t["met"] is False else na
         lines.append(f"| {t['target']} | {t['measured']} | {met} |")

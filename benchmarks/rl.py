@@ -1,4 +1,4 @@
-"""The agentic-RL benchmark (issue 14 targets), one run on this machine (committed results:
+"""The agentic-RL benchmark (the RL targets), one run on this machine (committed results:
 benchmarks/results/rl-cpu.*):
 
 1. a fresh tiny policy, the warm start (copy pre-training, then SFT on demonstrations with a share of tool-free
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     md = ["# Agentic RL on CPU (`python benchmarks/rl.py`)", "",
           (f"Machine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}; load before: "
            f"{info['load_before']}."), "",
-          *targets_table(targets, "issue 14"), "",
+          *targets_table(targets, "agentic RL"), "",
           "## Run", "",
           (f"- policy: fresh `tiny` ({args.task}); warm start: {args.copy_steps} copy pre-training steps, then "
            f"{args.sft_steps} SFT steps with a guess share of {args.guess_share}, {sft_s:.0f} s in all"

@@ -1,4 +1,4 @@
-"""`k3 bench serve` (or `python benchmarks/serve.py`): the inference engine's targets on this machine (issue #5),
+"""`k3 bench serve` (or `python benchmarks/serve.py`): the inference engine's targets on this machine,
 measured side by side in one run.
 
 Sections, each against its own baseline in the same run:
@@ -110,7 +110,7 @@ def random_model(config: K3Config) -> K3ForCausalLM:
 
 
 def all_mla(config: K3Config) -> K3Config:
-    """The same model with every layer MLA: the all-attention comparison of the issue."""
+    """The same model with every layer MLA: the all-attention comparison of the targets."""
     config = copy.deepcopy(config)
     la = config.text_config.linear_attn_config
     la.full_attn_layers, la.kda_layers = list(range(1, config.text_config.num_hidden_layers + 1)), []
@@ -357,7 +357,7 @@ def markdown(r: dict) -> str:
         f"Load before / after: `{m['load_before']}` / `{m.get('load_after', '')}`.  ",
         f"Matmul rate (this run): {r['matmul_gflops']['fp32']:.0f} GFLOP/s fp32.", "",
     ]  # fmt: skip
-    lines += targets_table(r["targets"], "issue #5")
+    lines += targets_table(r["targets"], "the inference engine")
     lines += ["", "## Decode (random weights; contexts interleaved in rounds)", "",
               "| preset | layers | context | prefill s | ms/token (median) | ms/token (min) |",
               "|---|---|---:|---:|---:|---:|"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Issue #4's training targets, measured in one process, one run after another (ratios and floors from the same run).
+"""The training targets, measured in one process, one run after another (ratios and floors from the same run).
 
     python benchmarks/train.py [--quick] [--skip RUN ...] [--out benchmarks/results/train-cpu]
 
@@ -7,7 +7,7 @@
    rate (measured here).
    The same run with `--optimizer muon` beside it (Muon for the hidden matrices, AdamW for the rest).
 2. Balancing: the same run with `--balance sign`, `--balance none`, and K3's rule damped (`--balance-exact-thresholds
-   --balance-ema 0.5`); MaxVio as spec/balancing.md §3 reports it (mean of the per-step max over layers, last 20
+   --balance-ema 0.5`); MaxVio as the K3 report measures it (mean of the per-step max over layers, last 20
    steps) against the floor of perfectly balanced random routing at the same tokens per step (q̄ stated).
 3. q̄ >= 2048 tokens per expert per step (tiny: 8 experts, top-2, 8192 tokens per step, as 128 rows of 64 tokens):
    per-layer MaxVio, last 20 steps, with K3's rule and the damped variant.
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _markdown(report: dict) -> str:
     m = report["machine"]
-    lines = ["# Training targets (issue #4)\n", f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
+    lines = ["# Training targets\n", f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
              f"{m['threads']} threads, measured fp32 matmul {m['matmul_fp32_gflops']:.0f} GFLOP/s.\n",
              "| run | steps | wall s | tokens/s | MFU | final val loss | unigram | below unigram at | MaxVio last 20 | floor | q̄ | MQAR acc | MQAR acc (4x) | needle acc (4x) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Vision on CPU (issue 16): `python benchmarks/vision.py` (or `k3 bench vision`) writes
+"""Vision on CPU: `python benchmarks/vision.py` (or `k3 bench vision`) writes
 OUT.{md,json} and the gradient-norm figure OUT-grad_norm.png (OUT: runs/bench/vision-cpu unless `--out` names it;
 `--out benchmarks/results/vision-cpu` replaces the committed results).
 
@@ -210,7 +210,7 @@ def render(result: dict) -> tuple[list[dict], str]:
                  f"{100 * r['share_of_matmul_rate']:.0f}% |" for r in rows], ""]  # fmt: skip
     head = ["# Vision on CPU (`python benchmarks/vision.py`)", "",
             (f"Machine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}; load before the last part: "
-             f"{info['load_before']}."), "", *targets_table(targets, "issue 16"), ""]  # fmt: skip
+             f"{info['load_before']}."), "", *targets_table(targets, "vision"), ""]  # fmt: skip
     return targets, "\n".join(head + md)
 
 

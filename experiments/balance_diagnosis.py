@@ -1,20 +1,21 @@
 """Where MaxVio comes from: the quantile-balancing rule, or the composition of the batches it is measured on.
 
-    python experiments/balance_diagnosis.py --ckpt RUN_DIR_OR_CHECKPOINT [--batches 40] [--out benchmarks/results/balance-diagnosis]
+    python experiments/balance_diagnosis.py --ckpt RUN_DIR_OR_CHECKPOINT [--batches 40]
+        [--out benchmarks/results/balance-diagnosis]
 
 A trained model is frozen (no drift), its router scores s [T, E] are recorded per MoE layer on fresh training batches,
 and quantile balancing (the trainer's own histogram code) is replayed on those scores, step after step: the bias
-computed from batch t routes batch t+1, and MaxVio (spec/balancing.md §3) is measured on batch t+1. At the same
+computed from batch t routes batch t+1, and MaxVio (max over experts of load / mean load − 1) is measured on batch t+1. At the same
 tokens per step:
 
 - `rows`: the batches as the trainer draws them (each row one random window of one document), K3's rule;
 - `shuffled`: the same tokens shuffled across the whole pool, so every batch is an i.i.d. sample of the pool;
-- `+exact+ema`: both again with the §2.4 exact thresholds and the §2.2 EMA (`--balance-exact-thresholds
+- `+exact+ema`: both again with exact quantile thresholds and an EMA of the bias update (`--balance-exact-thresholds
   --balance-ema E`), the damped variant;
 - `oracle`: each batch of `rows` routed with the pool's best bias (the exact solver run to convergence on all
   tokens), i.e. what a perfect, omniscient balancer scores on these batches; plus `in-sample`, batch t routed with
   the bias computed from batch t itself (the rule's own precision, one histogram pass), and the near-tie fraction
-  (spec §3's router health) at the converged bias.
+  (a router-health measure) at the converged bias.
 
 `shuffled` near the random-routing floor means the rule keeps up with i.i.d. batches; `oracle` far above the floor
 means the batches' composition (tokens of one document route alike) puts MaxVio out of reach of any bias computed
@@ -175,7 +176,7 @@ def _markdown(r: dict) -> str:
             f"`+exact+ema`: the same two with `--balance-exact-thresholds --balance-ema {r['ema']}`. `oracle`: the batches "
             "as drawn, routed with the pool's converged bias (no balancer can do better on them). `in-sample`: each batch "
             "routed with the bias K3's rule computed from that batch. `near-tie`: fraction of tokens whose k-th and "
-            "(k+1)-th biased scores differ by less than one bin at the converged bias (spec §3's router health).\n"
+            "(k+1)-th biased scores differ by less than one bin at the converged bias (a router-health measure).\n"
         ),
     ]
     for d in r["shapes"]:

@@ -1,5 +1,5 @@
 """`python experiments/engine_step_ab.py --base /tmp/base`: decode tok/s of the serving engine in two source trees,
-side by side in one run (issue 18 item 6: the batched engine step against the per-request one).
+side by side in one run (made for the batched engine step against the per-request one).
 
 Each measurement is a subprocess with `PYTHONPATH=<tree>` that uses the public API only (`LLMEngine`,
 `SamplingParams`, a random-weight model of `K3Config.preset(--preset)`, prompts of fixed ids, `ignore_eos`):
@@ -174,7 +174,7 @@ def markdown(r: dict) -> str:
     a, m, names = r["args"], r["machine"], list(r["trees"])
     others = names[1:]
     lines = [
-        "# Engine step: before / after (issue 18 item 6)",
+        "# Engine step: before / after",
         "",
         f"`python experiments/engine_step_ab.py` — `{a['preset']}` random-weight model, {a['prompt']}-token prompts, "
         f"{a['tokens']} output tokens per request (seeded sampling, temperature 0.8, top-p 0.9, `ignore_eos`), "

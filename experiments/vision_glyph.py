@@ -1,4 +1,4 @@
-"""Why tiny-vl does not learn to read in 15 minutes (issue 16): the tower alone against a small CNN on the simplest
+"""Why tiny-vl does not learn to read in 15 minutes: the tower alone against a small CNN on the simplest
 reading task there is, one capital letter per image, side by side on the same images, steps and optimiser.
 
     python experiments/vision_glyph.py [--steps 400] [--models ...] [--colours random,bw] [--placement free]

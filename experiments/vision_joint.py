@@ -1,4 +1,4 @@
-"""Does the tiny-vl model learn to read through the language model (issue 16)? The real `k3 train --preset tiny-vl`
+"""Does the tiny-vl model learn to read through the language model? The real `k3 train --preset tiny-vl`
 loop, next-token prediction on the answer only, on `vision_glyph.py`'s one-letter images and on the text task.
 
     python experiments/vision_joint.py [--tasks glyph-bw-aligned,text] [--steps 400] [--lr 3e-4]

@@ -1,5 +1,6 @@
 """`k3 bench cpu` (or `python benchmarks/cpu.py`): openk3's CPU inference against llama.cpp on the same checkpoint
-(issue 17 item 4), both measured in one run, interleaved, and written to benchmarks/results/cpu.{json,md}.
+(the CPU inference targets), both measured in one run, interleaved, and written to runs/bench/cpu.{json,md} (`--out-dir
+benchmarks/results`: the committed results).
 
 - the checkpoint: `--ckpt DIR`, or a random `k3 init --preset medium` (418M total, 243M active: 1024 wide, 16 layers,
   16 experts top-4) cached in runs/bench-cpu/medium; its `k3 export --format gguf` files (f32 and bf16) are cached
@@ -13,12 +14,13 @@
   the rounds; the larger is used), the matmul rate, and the bandwidth bound
   of a decode token: the weight bytes one token reads (every non-expert matrix and the LM head, the top-k routed
   experts of every MoE layer, one embedding row) over the read bandwidth;
-- fidelity: llama.cpp's fp32 logits against openk3's (`llamacpp_fidelity.logits_rel_rms`);
-- this CPU (issue 55): its ISA features, which build of the decode kernels ran (AVX-512, AVX2, portable) and whether
+- fidelity: llama.cpp's fp32 logits against openk3's (`logits_rel_rms`; alone: `python benchmarks/cpu.py fidelity
+  --ckpt DIR`);
+- this CPU: its ISA features, which build of the decode kernels ran (AVX-512, AVX2, portable) and whether
   bf16 products run natively or widened to fp32 (`ops.widen`); dtype `auto` serves the checkpoint as `LLM(dtype=
   "auto")` does (fp32 for a bf16 checkpoint on a CPU without bf16 arithmetic, where it fits), and the report
   compares bf16 and auto with fp32 (prefill and decode medians of the same run, target >= 0.95x there);
-- a torch.profiler breakdown of openk3's decode step per dtype (decode_profile.py): ops grouped into categories, the
+- a torch.profiler breakdown of openk3's decode step per dtype (`profile_decode`): ops grouped into categories, the
   top ops, and the Python/dispatch time (wall minus the ops' summed self time).
 
 OMP_WAIT_POLICY: llama.cpp's OpenMP threads (and torch's) spin at barriers and between parallel regions, which on a
@@ -45,12 +47,15 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 
+import numpy as np
 import torch
-from decode_profile import CATEGORIES, profile_decode
 from report import load_info, machine_info, measure_matmul, targets_table, write_report
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from openk3.data.tokenizer import NUM_SPECIAL_TOKENS, load_tokenizer
 from openk3.ops import cpu_kernels
@@ -68,7 +73,7 @@ CACHE_DIR = os.path.join("runs", "bench-cpu")
 REEXEC_MARK = "K3_BENCH_CPU_LOAD_BEFORE"  # set when the run re-executes itself: the load the first process saw
 LLAMA_INSTALL = ('pip install -e ".[bench]" (llama-cpp-python>=0.3.36, a build with the kimi-k3 architecture; it '
                  "compiles llama.cpp from source: a C++ compiler and cmake, several minutes)")  # fmt: skip
-PROFILE_STEPS = 10  # --quick: 2 (reading the profiler's events back is slow: decode_profile.py)
+PROFILE_STEPS = 10  # --quick: 2 (reading the profiler's events back is slow: see `profile_decode`)
 WORKER_TIMEOUT_S = 1800  # one side's measurement (model load, warm-up, prefill, decode)
 TARGETS = {"decode": 0.8, "prefill": 1.0, "bound": 1.5, "rel_rms": 1e-5, "bf16_over_fp32": 0.95}
 
@@ -436,10 +441,14 @@ def summarize(rows: list[dict], dtypes: list[str], llama_ran: bool, bound: dict)
 
 def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["fidelity"]:
+        return fidelity_main(args_in[1:])
     if args_in[:1] == ["--worker"]:  # one side's measurement, in its own process (run_isolated)
         print(json.dumps(measure_side(json.loads(args_in[1]))), flush=True)
         return 0
-    p = argparse.ArgumentParser(prog="k3 bench cpu", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="k3 bench cpu", description=__doc__.split("\n\n")[0],
+                                epilog="`python benchmarks/cpu.py fidelity --ckpt DIR` runs the llama.cpp fidelity "
+                                "check alone (`fidelity --help`).")
     p.add_argument("--ckpt", help="checkpoint folder (default: a random --preset checkpoint cached in runs/bench-cpu)")
     p.add_argument("--preset", default="medium", help="preset of the default checkpoint (tiny: a smoke run)")
     p.add_argument("--threads", type=int, default=None, help="threads of both sides (default: every core)")
@@ -459,8 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--out-dir",
         default=None,
-        help="where cpu.json and cpu.md go (default: benchmarks/results; "
-        "runs/bench for a preset other than medium, so a smoke run never replaces the committed results)",
+        help="where NAME.json and NAME.md go (default: runs/bench, not committed; --out-dir benchmarks/results "
+        "replaces the committed results)",
     )
     p.add_argument("--quick", action="store_true", help="for the smoke test: short machine measurements (a 256 "
                    "MiB buffer, a 0.05 s matmul) and a 2-step profile")  # fmt: skip
@@ -474,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     omp = ensure_omp_policy(args.omp_wait_policy, argv)
-    out_dir = args.out_dir or ("benchmarks/results" if args.preset == "medium" else "runs/bench")
+    out_dir = args.out_dir or "runs/bench"
     threads = args.threads or len(os.sched_getaffinity(0))
     # One thread here until the rounds are over: this process's OpenMP threads would spin beside the measurements.
     torch.set_num_threads(1)
@@ -560,8 +569,6 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{k} {v:.1f}" for k, v in prof["categories_ms_per_step"].items())
               + f" ms; overhead {prof['overhead_ms_per_step']:.1f} ms", flush=True)  # fmt: skip
     if llama_cpp is not None:
-        from llamacpp_fidelity import logits_rel_rms
-
         fp32_gguf = result["gguf"].get("fp32") or cached_gguf(ckpt, "f32", lambda: load_model(ckpt, torch.float32)[0])
         del models, sides
         result["fidelity"] = logits_rel_rms(ckpt, fp32_gguf, n_tokens=64, seed=0, n_threads=threads)
@@ -661,7 +668,7 @@ def markdown(r: dict, dtypes: list[str], args) -> str:
         f"read+write (median {bw['copy_gbs_median']:.1f}), {bw['buffer_gib']:g} GiB random fp32 buffer, best of "
         f"{bw['repeats']}; matmul {', '.join(f'{k} {v:.0f}' for k, v in r['matmul_gflops'].items())} GFLOP/s."), "",
     ]  # fmt: skip
-    lines += targets_table(r["targets"], "issue 17 item 4 and issue 55", na="not measured")
+    lines += targets_table(r["targets"], "CPU inference against llama.cpp, and each CPU kind", na="not measured")
     lines += ["", f"## Throughput ({args.rounds} interleaved rounds; median [min, max])", "",
               (f"Prefill: one sequence of {args.prefill_tokens} tokens (one engine step / one llama eval). Decode: "
                f"batch 1, {args.decode_tokens} single-token steps after a {PROMPT_TOKENS}-token prompt; tok/s = "
@@ -738,6 +745,227 @@ def markdown(r: dict, dtypes: list[str], args) -> str:
                      f"{c['decode_ms_median']:.1f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
+
+
+# ---- the decode profile ----------------------------------------------------------------------------------------------
+# Where a decode step of openk3's serving engine spends its time: torch.profiler over a few batch-1 decode steps,
+# the ops' self CPU time grouped into categories (matmul, elementwise, indexing/copies, reductions/norms, other), the
+# top ops, and the time outside any op (Python, the engine's bookkeeping, dispatch). `main` calls
+# `profile_decode` per dtype.
+#
+# Self times are those of the ops on the calling thread: an op's intra-op worker threads count toward the op that
+# started them. Kernels called through ctypes (`openk3.ops.cpu_kernels`) are no torch ops, so the profiler would count
+# them as overhead: while profiling, each C function is called inside a `record_function` named `cpu_kernels::NAME`
+# (the names contain "gemv" or "expert": matmul), and the result lists the ones called. Reading
+# the profiler's events back costs ~70 us per event (~1500 events per tiny-model step), so keep `steps` small.
+
+CATEGORIES = ("matmul", "fused layers", "elementwise", "indexing/copies", "reductions/norms", "other")
+# The kernels that run a whole layer part in one call (its matmuls included): a KDA layer, a MoE layer, a gated MLA
+# layer (two calls), an AttnRes mix with its norm, and the decoder stack of a step (all of them, one call).
+FUSED_LAYER_KERNELS = ("kda_decode", "moe_decode", "mla_decode", "mix_norm", "decode_stack")
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "linear", "mv", "addmv", "matmul", "_addmm_activation"}
+ELEMENTWISE_OPS = {"add", "sub", "rsub", "mul", "div", "neg", "exp", "log", "log1p", "expm1", "sigmoid", "silu",
+                   "gelu", "relu", "tanh", "rsqrt", "sqrt", "pow", "clamp", "clamp_min", "clamp_max", "where",
+                   "softplus", "abs", "sign", "maximum", "minimum", "eq", "ne", "lt", "gt", "ge", "le", "logical_and",
+                   "logical_or", "logical_not", "reciprocal", "sin", "cos", "addcmul", "addcdiv", "lerp", "square",
+                   "isfinite", "isnan", "bitwise_and", "bitwise_or", "floor", "ceil", "round", "fmod", "remainder",
+                   "nan_to_num", "masked_fill", "erf"}  # fmt: skip
+# Data movement, views and allocation: copies and dtype casts, gathers and scatters, concatenation, views, creation.
+COPY_OPS = {"copy", "_to_copy", "to", "clone", "contiguous", "index", "index_select", "gather", "scatter",
+            "scatter_add",
+            "index_put", "_index_put_impl", "index_add", "index_copy", "index_fill", "cat", "stack", "slice", "select",
+            "narrow", "view", "view_as", "_unsafe_view", "reshape", "_reshape_alias", "as_strided", "expand",
+            "expand_as", "permute", "transpose", "t", "unsqueeze", "squeeze", "flatten", "unflatten", "movedim",
+            "split", "split_with_sizes", "chunk", "unbind", "repeat", "repeat_interleave", "empty", "empty_like",
+            "empty_strided", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "fill", "zero",
+            "new_empty", "new_zeros", "new_full", "masked_select", "masked_scatter", "nonzero", "item",
+            "_local_scalar_dense", "resize", "detach", "lift_fresh", "lift_fresh_copy", "alias", "unfold", "roll",
+            "flip", "pad", "constant_pad_nd", "arange", "scalar_tensor", "diagonal", "tril", "triu", "one_hot",
+            "bincount", "searchsorted", "embedding"}  # fmt: skip
+REDUCTION_OPS = {"sum", "mean", "norm", "linalg_vector_norm", "rms_norm", "_fused_rms_norm", "layer_norm",
+                 "native_layer_norm", "softmax", "_softmax", "log_softmax", "_log_softmax", "max", "min", "amax",
+                 "amin", "argmax", "argmin", "topk", "sort", "argsort", "cumsum", "var", "std", "var_mean",
+                 "logsumexp", "prod", "all", "any", "count_nonzero", "multinomial"}  # fmt: skip
+
+
+def op_category(name: str) -> str:
+    """The category of a profiler op name (`aten::index_copy_` -> indexing/copies); a custom op whose name contains
+    "gemv" or "expert" is a matmul, one of `FUSED_LAYER_KERNELS` a fused layer."""
+    base = name.split("::", 1)[-1].rstrip("_")
+    if any(k in name for k in FUSED_LAYER_KERNELS):
+        return "fused layers"
+    if "gemv" in name or "expert" in name or base in MATMUL_OPS:
+        return "matmul"
+    for category, ops in (("elementwise", ELEMENTWISE_OPS), ("indexing/copies", COPY_OPS),
+                          ("reductions/norms", REDUCTION_OPS)):  # fmt: skip
+        if base in ops:
+            return category
+    return "other"
+
+
+class _AnnotatedLibrary:
+    """The kernel library with each C function called inside a `record_function` of its name."""
+
+    def __init__(self, lib, names: list[str]):
+        self._lib, self._names = lib, names
+
+    def __getattr__(self, attr: str):
+        fn = getattr(self._lib, attr)
+        name = f"cpu_kernels::{attr.removeprefix('openk3_')}"
+        if name not in self._names:
+            self._names.append(name)
+
+        def call(*args, _fn=fn, _name=name):
+            with record_function(_name):
+                return _fn(*args)
+
+        return call
+
+
+@contextmanager
+def annotated_kernels():
+    """Route the ctypes kernels (`ops.cpu_kernels`' library) through `record_function`s of their names for the
+    duration; yields the list of names called (filled as they are; empty without the library)."""
+    names: list[str] = []
+    lib = cpu_kernels.library()
+    if lib is None:
+        yield names
+        return
+    previous = cpu_kernels._lib
+    cpu_kernels._lib = _AnnotatedLibrary(lib, names)
+    try:
+        yield names
+    finally:
+        cpu_kernels._lib = previous
+
+
+def profile_decode(engine, prompt: list[int], steps: int, top: int = 15) -> dict:
+    """One request of `prompt` in `engine` (an idle LLMEngine whose max_model_len holds len(prompt) + 2 * steps + 4
+    tokens): its prefill and two warm steps, `steps` decode steps timed plain, `steps` more under torch.profiler
+    (the ctypes kernels annotated), then the rest untimed. Per step: the wall time both ways, each category's ops'
+    self time, the overhead (the profiled wall time minus the ops' summed self time: Python, the engine's
+    bookkeeping, dispatch, and the profiler's own cost), the `top` ops by self time and the names that fell into
+    "other"."""
+    engine.add_request({"prompt_token_ids": prompt},
+                       SamplingParams(max_tokens=2 * steps + 4, temperature=0.0, ignore_eos=True))  # fmt: skip
+    for _ in range(3):
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    plain = time.perf_counter() - t0
+    with annotated_kernels() as kernels, profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t0
+    if not engine.has_unfinished():
+        raise RuntimeError("the profiled request ended early: the profile timed idle steps")
+    while engine.has_unfinished():
+        engine.step()
+    ops = [e for e in prof.key_averages() if not e.is_user_annotation or e.key in kernels]
+    by_category = dict.fromkeys(CATEGORIES, 0.0)
+    for e in ops:
+        by_category[op_category(e.key)] += e.self_cpu_time_total / 1e3 / steps
+    ops_ms = sum(by_category.values())
+    wall_ms = 1e3 * wall / steps
+    return {
+        "steps": steps, "annotated_kernels": kernels, "ms_per_step_unprofiled": 1e3 * plain / steps,
+        "ms_per_step_profiled": wall_ms, "ops_ms_per_step": ops_ms, "overhead_ms_per_step": wall_ms - ops_ms,
+        "categories_ms_per_step": by_category,
+        "other_ops": sorted({e.key for e in ops if op_category(e.key) == "other"}),
+        "top_ops": [{"op": e.key, "category": op_category(e.key), "calls_per_step": e.count / steps,
+                     "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps}
+                    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:top]],
+    }  # fmt: skip
+
+
+# ---- llama.cpp fidelity of the GGUF export ---------------------------------------------------------------------------
+# llama.cpp fidelity of the GGUF export: a checkpoint's logits from llama.cpp (through llama-cpp-python) running its
+# `k3 export --format gguf` file, against openk3's own fp32 forward, as the relative RMS error
+# rms(llama - ours) / rms(ours).
+#
+#     python benchmarks/cpu.py fidelity --ckpt DIR [--gguf FILE] [--tokens 64] [--seed 0]
+#
+# `logits_rel_rms` is the piece `main` calls after the rounds. The token ids are random below the base
+# vocabulary (no special ids), one sequence, all in one llama.cpp batch; llama.cpp runs on the CPU with fp32 K/V caches
+# and without flash attention, so the comparison sees the export and the graph, not cache rounding. llama_cpp is
+# imported lazily: everything else in openk3 works without it.
+
+GGML_TYPE_F32 = 0
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as err:
+        raise RuntimeError(
+            "the llama.cpp comparison needs llama-cpp-python (a build with the kimi-k3 architecture, 0.3.36 or "
+            "newer): pip install llama-cpp-python"
+        ) from err
+    return llama_cpp
+
+
+def llama_cpp_logits(gguf_path: str, ids: list[int], n_threads: int = 2, verbose: bool = False) -> torch.Tensor:
+    """llama.cpp's logits [T, V] (fp32) for the token ids `ids`, evaluated as one sequence in one batch."""
+    llama_cpp = _llama_cpp()
+    n_ctx = max(256, len(ids))
+    llm = llama_cpp.Llama(model_path=os.fspath(gguf_path), logits_all=True, n_ctx=n_ctx, n_batch=n_ctx,
+                          n_ubatch=n_ctx, n_threads=n_threads, n_threads_batch=n_threads, flash_attn=False,
+                          type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32, verbose=verbose)  # fmt: skip
+    try:
+        llm.eval(ids)
+        return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+    finally:
+        llm.close()
+
+
+def logits_rel_rms(ckpt_dir: str, gguf_path: str | None = None, n_tokens: int = 64, seed: int = 0,
+                   n_threads: int = 2, verbose: bool = False) -> dict:  # fmt: skip
+    """Compare llama.cpp on `gguf_path` (None: export `ckpt_dir` to a temporary f32 GGUF first) with openk3's fp32
+    forward of `ckpt_dir` on `n_tokens` random ids. Returns {"rel_rms": rms(llama - ours) / rms(ours), "max_abs",
+    "top1_agree" (fraction of positions with the same argmax), "n_tokens", "seed", "gguf"}."""
+    from openk3.data.tokenizer import NUM_SPECIAL_TOKENS, load_tokenizer
+    from openk3.export import export_gguf
+    from openk3.train.checkpoint import load_model
+    from openk3.utils import rel_rms
+
+    _llama_cpp()  # fail before the export if llama.cpp is missing
+    model, ckpt = load_model(ckpt_dir, dtype=torch.float32)
+    model.eval()
+    vocab = model.text_config.vocab_size
+    base = vocab - NUM_SPECIAL_TOKENS if vocab > 2 * NUM_SPECIAL_TOKENS else vocab
+    ids = torch.randint(0, base, (n_tokens,), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        ours = model(ids[None]).logits[0].float()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = gguf_path or export_gguf(model, load_tokenizer(ckpt, model.text_config), os.path.join(tmp, "k3.gguf"))
+        theirs = llama_cpp_logits(path, ids.tolist(), n_threads, verbose)
+    return {
+        "rel_rms": rel_rms(theirs, ours),
+        "max_abs": float((theirs - ours).abs().max()),
+        "top1_agree": float((theirs.argmax(-1) == ours.argmax(-1)).float().mean()),
+        "n_tokens": n_tokens,
+        "seed": seed,
+        "gguf": gguf_path,
+    }
+
+
+def fidelity_main(argv: list[str]) -> int:
+    """`python benchmarks/cpu.py fidelity`: the fidelity check alone, printed as JSON (nothing written)."""
+    p = argparse.ArgumentParser(prog="python benchmarks/cpu.py fidelity",
+                                description="llama.cpp's logits of a checkpoint's GGUF export against openk3's fp32 "
+                                "forward")
+    p.add_argument("--ckpt", required=True, help="a checkpoint folder (k3 init / k3 train / a release)")
+    p.add_argument("--gguf", default=None, help="its GGUF export (default: export to a temporary f32 file)")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--verbose", action="store_true", help="llama.cpp's own log")
+    args = p.parse_args(argv)
+    result = logits_rel_rms(args.ckpt, args.gguf, args.tokens, args.seed, args.threads, args.verbose)
+    print(json.dumps(result, indent=2))
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,8 @@
-"""The distillation benchmark and worked recipe (issue 15 targets), one run on this machine, written to
-benchmarks/results/distill-cpu.{json,md}:
+"""The distillation benchmark and worked recipe (the multi-teacher distillation targets), one run on this machine, written to
+runs/bench/distill-cpu.{json,md} unless `--out` names the place (`--out benchmarks/results/distill-cpu` replaces the
+committed results):
 
-1. the recipe (`openk3/rl/distill_recipe.py`): a recipe tokenizer; a fresh tiny policy with copy pre-training and SFT
+1. the recipe (the first section below): a recipe tokenizer; a fresh tiny policy with copy pre-training and SFT
    on a mixture of every domain with tool-free guesses (the cold start: the student's init, and b0's model); four
    teachers, each the cold start trained further by SFT on its own domain and effort: calculator, code-fix,
    files:low, files:max (effort = how much the think channel says);
@@ -39,37 +40,199 @@ import argparse
 import hashlib
 import json
 import os
+import random
 import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import machine_info, targets_table, write_report
+from report import machine_info, out_help, scratch_out, targets_table, write_report
 
 from openk3.config import K3Config
-from openk3.data.tokenizer import load_tokenizer
+from openk3.data.tokenizer import load_tokenizer, train_bpe
+from openk3.data.xtml import render_xtml
 from openk3.rl.distill import DistillTrainer
 from openk3.rl.distill_config import METHODS, OFFPOLICY_KEEP, OFFPOLICY_WEIGHTS, DistillConfig
-from openk3.rl.distill_recipe import (
-    RecipeStream,
-    copy_pretrain,
-    evaluate_policy,
-    recipe_tokenizer,
-    save_policy,
-    supervised,
-)
-from openk3.rl.teachers import TeacherKey, parse_teachers
+from openk3.rl.envs import Task, get_family, initial_messages
+from openk3.rl.evaluate import evaluate_policy
+from openk3.rl.sft import COPY_BATCH, CopyStream
+from openk3.rl.teachers import TeacherKey, parse_teachers, top_efforts
+from openk3.rl.transcript import episode_ids
+from openk3.train.balance import Balancer
+from openk3.train.batch import TokenBatch
 from openk3.train.checkpoint import build_model, load_model, resolve_checkpoint
+from openk3.train.core import TrainCore
+from openk3.train.distributed import Layout
+from openk3.train.optim import param_groups
 
+# ---- the recipe ------------------------------------------------------------------------------------------------------
+# The worked distillation recipe on CPU (step 1 above): a cold-start student and one teacher per domain
+# and effort, all tiny, all from the RL task families, all built with SFT on scripted demonstrations.
+#
+#     domains     calculator, code-fix (no effort tag: thinking off, as `k3 rl` episodes)
+#                 files:low, files:max (thinking on; the effort decides how much the think channel says)
+#
+# Effort is the length of the think channel. `effort_turns(task, effort)` adds to each demonstration message a
+# reasoning of the effort's size: none at `low`, a few words at `high`, at `max` a plan that names the tool, copies its
+# arguments twice and says how the output will be checked, and for the answer a check that repeats the value. Success
+# does not depend on it (the tool calls and the answer are the same), so a low-effort expert is as right as a
+# max-effort one in fewer tokens: what K3's effort levels aim at. The max demonstrations are about 2.4x the low ones in
+# the recipe tokenizer's tokens (files: 208 against 87), so the teachers themselves are further apart than the
+# target's 0.6x; an earlier one-sentence max reasoning gave only 0.65x, which no student could beat.
+#
+# The cold start (the student's init, and b0's model) is copy pre-training then SFT on a mixture of every domain with a
+# share of tool-free guesses (a weak, partly tool-using policy, as in the RL recipe); its effort-tagged episodes carry
+# a random effort tag and a reasoning that is mostly the top effort's (`long_share`), else the tag's: it has seen the
+# format and the tag, thinks at length and does not follow the tag when greedy.
+# Each teacher is the cold start trained further by SFT on its own domain and effort alone, without guesses, with the
+# reasoning of its effort and no effort tag (the teacher is the expert of that effort; Eq. 15's π_teacher(y | x)).
+#
+# Legend: (ids, mask) an episode's tokens and its loss mask (the assistant's tokens).
+
+TOKENIZER_EPISODES = 400  # demonstrations per (domain, effort) the recipe's tokenizer is trained on
+
+
+def reasoning(message: dict, answer: str | None, effort: str) -> str:
+    """The think channel of a demonstration message at `effort` ("" at low)."""
+    calls = message.get("tool_calls") or []
+    if effort == "low":
+        return ""
+    if effort == "high":
+        return "use " + ", ".join(c["function"]["name"] for c in calls) if calls else "answer"
+    if calls:
+        parts, values = [], []
+        for c in calls:
+            args = json.loads(c["function"]["arguments"])
+            parts.append(f"call {c['function']['name']} with " + ", ".join(f"{k} {v}" for k, v in args.items()))
+            values.append(f"{c['function']['name']} " + " ".join(str(v) for v in args.values()))
+        plan, check = " and ".join(parts), "; ".join(values)
+        return (
+            f"The question needs a tool. I will {plan}, then read its output. Plan: first {check}; then read "
+            f"the line it prints; then check that the line answers the question; then give only the value. "
+            f"Before the call, once more: {check}."
+        )
+    shown = message.get("content") or answer or ""
+    return (
+        f"The output gives {shown}. The question asks for one value, and {shown} is that value. Check: the "
+        f"output line contains {shown}, so it answers the question. The answer is {shown}."
+    )
+
+
+def effort_turns(task: Task, effort: str | None) -> list[dict]:
+    """The family's demonstration with every assistant message's reasoning at `effort` (None: unchanged)."""
+    turns = get_family(task.family).demonstration(task)
+    if effort is None:
+        return turns
+    return [{**m, "reasoning_content": reasoning(m, task.answer, effort)} if m["role"] == "assistant" else m
+            for m in turns]  # fmt: skip
+
+
+def demo_ids(task: Task, tokenizer, *, style: str | None, tag: str | None, guess_rng=None) -> tuple[list, list]:
+    """(ids, mask) of a demonstration: reasoning of `style` (None: thinking off), effort tag `tag` in the prompt; a
+    tool-free guess when `guess_rng` is given."""
+    family = get_family(task.family)
+    turns = family.guess(task, guess_rng) if guess_rng is not None else effort_turns(task, style)
+    if guess_rng is not None and style is not None:
+        turns = [{**m, "reasoning_content": reasoning(m, task.answer, style)} for m in turns]
+    return episode_ids(initial_messages(task), turns, task.tools, tokenizer, thinking=style is not None, effort=tag)
+
+
+def recipe_tokenizer(keys: list[TeacherKey], text_config, seed: int = 0, episodes: int = TOKENIZER_EPISODES):
+    """A BPE for the recipe, trained on the text of `episodes` training-split demonstrations of every key at its
+    effort."""
+    texts = []
+    for key in keys:
+        family = get_family(key.domain)
+        for i in range(episodes):
+            task = family.generate("train", seed * 1_000_003 + i)
+            messages = initial_messages(task) + effort_turns(task, key.effort)
+            segments = render_xtml(messages, task.tools, add_generation_prompt=True, thinking=key.thinking)
+            texts.append("".join(s.text for s in segments if not s.allow_special))
+    special = {"bos": text_config.bos_token_id, "eos": text_config.eos_token_id, "pad": text_config.pad_token_id}
+    return train_bpe(texts, text_config.vocab_size, special, split_digits=True)
+
+
+class RecipeStream:
+    """Seeded demonstrations for one stage: round-robin over `keys`; `student=True` gives the cold start's mixture
+    (a random effort tag; the reasoning of the domain's top effort with probability `long_share`, else of the tag's
+    own effort; `guess_share` tool-free guesses), else a teacher's data (its effort's reasoning, no tag, no guesses).
+
+    The cold start mostly thinks at length, whatever the tag says: its greedy episodes are long at every effort, and
+    b0(x) (measured at the top effort) is the natural thinking length that the budget cuts down at lower efforts, as
+    in K3. The tag is not meaningless to it, though: a low tag comes with short reasoning in 1 − `long_share` of its
+    demonstrations, as a cold-start SFT set with some effort-matched data would give. A cold start that had never
+    seen the tag matter (reasoning size drawn independently of it) did not learn to follow it in 30 steps of
+    distillation at 2e-4 (the greedy lengths at low and max stayed within 1%; at 1e-3 success collapsed instead):
+    the one token that decides the length gets its −R_max, but the gradient must build the tag's use from
+    nothing (docs/distill.md)."""
+
+    def __init__(self, keys: list[TeacherKey], tokenizer, seed: int, *, student: bool, guess_share: float = 0.0,
+                 long_share: float = 0.75):  # fmt: skip
+        if not 0 <= long_share <= 1:
+            raise ValueError(f"long_share must be in [0, 1], got {long_share}")
+        self.keys, self.tokenizer, self.student, self.guess_share = keys, tokenizer, student, guess_share
+        self.long_share = long_share
+        self.rng = random.Random(seed)
+        self.drawn = 0
+        self.efforts = {k.domain: sorted(x.effort for x in keys if x.domain == k.domain and x.effort) for k in keys}
+        self.top = top_efforts(keys)
+
+    def batch(self, n: int) -> list[tuple[list[int], list[bool]]]:
+        out = []
+        for _ in range(n):
+            key = self.keys[self.drawn % len(self.keys)]
+            self.drawn += 1
+            task = get_family(key.domain).generate("train", self.rng.randrange(2**31))
+            guess = self.rng if self.student and self.rng.random() < self.guess_share else None
+            if not self.student:
+                out.append(demo_ids(task, self.tokenizer, style=key.effort, tag=None))
+            elif key.effort is None:
+                out.append(demo_ids(task, self.tokenizer, style=None, tag=None, guess_rng=guess))
+            else:
+                efforts = self.efforts[key.domain]
+                tag = self.rng.choice(efforts)
+                style = self.top[key.domain] if self.rng.random() < self.long_share else tag
+                out.append(demo_ids(task, self.tokenizer, style=style, tag=tag, guess_rng=guess))
+        return out
+
+
+def supervised(model, batches, steps: int, lr: float, *, decay: bool = True, progress=None) -> list[float]:
+    """`steps` AdamW steps of the `lm` loss on `batches()` on the training core, in this process (the rate linear
+    to a tenth when `decay`); the losses."""
+    optimizer = torch.optim.AdamW(param_groups(model, 0.0), lr=lr, betas=(0.9, 0.95), foreach=False)
+    core = TrainCore(model, Layout.single(), optimizer, balancer=Balancer(model, "none"), grad_clip=1.0)
+    model.train()
+    losses = []
+    for i in range(steps):
+        examples = batches()
+        batch = TokenBatch.from_sequences([ids for ids, _ in examples], [mask for _, mask in examples])
+        losses.append(core.step([batch], "lm", lr * (1 - 0.9 * i / steps if decay else 1.0))["loss"])
+        if progress is not None:
+            progress(i + 1, losses[-1])
+    return losses
+
+
+def copy_pretrain(model, tokenizer, keys: list[TeacherKey], steps: int, seed: int, lr: float = 2e-3, progress=None):
+    """The RL recipe's copy pre-training (sft.CopyStream) over the recipe's domains."""
+    stream = CopyStream(sorted({k.domain for k in keys}), tokenizer, seed)
+    return supervised(model, lambda: stream.batch(COPY_BATCH), steps, lr, decay=False, progress=progress)
+
+
+def save_policy(model, tokenizer, path: str) -> str:
+    """A release-format checkpoint folder with its tokenizer (what `--init` and `--teachers` take)."""
+    model.save_pretrained(path)
+    tokenizer.save(path)
+    return path
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------------------------
 KEYS = "calculator,code-fix,files:low,files:max"
 
 
-def _keys(text: str) -> list[TeacherKey]:
+def parse_keys(text: str) -> list[TeacherKey]:
     return sorted(parse_teachers(",".join(f"{k}=-" for k in text.split(","))))
 
 
-def _bar(desc: str, total: int):
+def progress_bar(desc: str, total: int):
     from tqdm import tqdm
 
     bar = tqdm(total=total, desc=desc, leave=False, disable=None)
@@ -97,12 +260,12 @@ def build_recipe(args, keys: list[TeacherKey], times: dict) -> dict[TeacherKey, 
         tokenizer = recipe_tokenizer(keys, config.text_config, args.seed)
         model = build_model(config)
         model.init_weights(torch.Generator().manual_seed(args.seed))
-        bar, tick = _bar("copy", args.copy_steps)
+        bar, tick = progress_bar("copy", args.copy_steps)
         copy_pretrain(model, tokenizer, keys, args.copy_steps, args.seed, progress=tick)
         bar.close()
         stream = RecipeStream(keys, tokenizer, args.seed, student=True, guess_share=args.guess_share,
                               long_share=args.long_share)  # fmt: skip
-        bar, tick = _bar("cold start", args.cold_steps)
+        bar, tick = progress_bar("cold start", args.cold_steps)
         supervised(model, lambda: stream.batch(args.batch), args.cold_steps, args.sft_lr, progress=tick)
         bar.close()
         save_policy(model, tokenizer, cold)
@@ -118,7 +281,7 @@ def build_recipe(args, keys: list[TeacherKey], times: dict) -> dict[TeacherKey, 
         model, folder = load_model(cold, dtype=torch.float32)
         tokenizer = load_tokenizer(folder, model.text_config)
         stream = RecipeStream([key], tokenizer, args.seed + 1, student=False)
-        bar, tick = _bar(f"teacher {key}", args.teacher_steps)
+        bar, tick = progress_bar(f"teacher {key}", args.teacher_steps)
         supervised(model, lambda s=stream: s.batch(args.batch), args.teacher_steps, args.sft_lr / 2, progress=tick)
         bar.close()
         save_policy(model, tokenizer, path)
@@ -147,7 +310,7 @@ def from_rl_run(run: str) -> tuple[str, dict[TeacherKey, str], dict]:
         raise SystemExit(f"--from-rl {run}: its warm start {first} was pruned (k3 rl --keep-checkpoints)")
     if first == last:
         raise SystemExit(f"--from-rl {run}: the run has one checkpoint; the teacher must be a later one than the start")
-    return first, {k: last for k in _keys(rl_cfg["task"])}, {k: rl_cfg[k] for k in RL_RUN_SETTINGS}
+    return first, {k: last for k in parse_keys(rl_cfg["task"])}, {k: rl_cfg[k] for k in RL_RUN_SETTINGS}
 
 
 def run_method(args, method: str, teachers: dict[TeacherKey, str], init: str, settings: dict) -> list[dict]:
@@ -392,10 +555,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="offpolicy, solved only: teacher samples per task, the first --group-size solved kept "
                         "(k3 distill --offpolicy-draws: N or key=N,...)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results/distill-cpu")
+    p.add_argument("--out", default=None, help=out_help("distill-cpu"))
     p.add_argument("--from-rl", default=None, metavar="RUN",
                    help="student = this RL run's warm start, teachers = its final policy (module docstring)")  # fmt: skip
     args = p.parse_args(argv)
+    args.out = args.out or scratch_out("distill-cpu")
     machine = machine_info()
     os.makedirs(args.work, exist_ok=True)
     times_file = os.path.join(args.work, "times.json")
@@ -405,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         keys = sorted(teachers)
         args.eval_tasks = settings["eval_tasks"]
     else:
-        keys = _keys(args.keys)
+        keys = parse_keys(args.keys)
         init, teachers = os.path.join(args.work, "cold"), build_recipe(args, keys, times)
         settings = {"lr": args.lr, "groups_per_step": args.groups, "group_size": args.group_size,
                     "max_turns": RECIPE_BUDGETS["max_turns"],
@@ -492,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     title = "# Multi-teacher distillation on CPU (`python benchmarks/distill.py"
     title += f" --from-rl {args.from_rl}`): from an RL expert" if args.from_rl else "`)"
     lines = [title, "", header, "",
-             *targets_table(targets, "issue 15"), "", teachers_title, "", "| key | success | length |",
+             *targets_table(targets, "multi-teacher distillation"), "", teachers_title, "", "| key | success | length |",
              "|---|---|---|"]  # fmt: skip
     lines += [f"| {k} | {v['success']:.0%} | {v['length']:.0f} |" for k, v in sorted(teacher_eval.items())]
     tagged = " (effort-tagged)" if any(k.effort for k in keys) else ""

@@ -1,8 +1,8 @@
-"""`k3 bench ep` (or `python benchmarks/ep.py`): expert-parallel balance at K3 scale, simulated (issue #7): what each
+"""`k3 bench ep` (or `python benchmarks/ep.py`): expert-parallel balance at K3 scale, simulated: what each
 rank receives in the MoE all-to-all, with and without quantile balancing, and with a MoonEP-style plan of replicated
 hot experts.
 
-Synthetic router (spec/balancing.md §2.7): per-token logits N(0, 1) plus a per-expert popularity offset N(0, σ_e²),
+Synthetic router (popular experts, as a trained router has them): per-token logits N(0, 1) plus a per-expert popularity offset N(0, σ_e²),
 scores = sigmoid. n = 896 experts, top-16, experts split evenly over R ∈ {8, 32, 64} ranks, S tokens per rank.
 
 - plain: top-k of the scores (router bias 0);
@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from report import write_report
+from report import out_help, scratch_out, write_report
 
 from openk3.config import K3Config
 from openk3.train.balance import bias_bounds, quantile_histogram, recover_quantile_bias
@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--qb-steps", type=int, default=20, help="quantile-balancing steps before measuring")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small batches (seconds; for tests)")
-    p.add_argument("--out", default="benchmarks/results/ep-sim.json")
+    p.add_argument("--out", default=None, help=out_help("ep-sim"))
     args = p.parse_args(argv)
+    args.out = args.out or scratch_out("ep-sim")
     text = K3Config.preset("k3").text_config
     E, k, latent = text.num_experts, text.num_experts_per_token, text.routed_expert_hidden_size
     tokens = 64 if args.quick else args.tokens_per_rank

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Checks and times the GPU KDA path (fla-core chunk_kda with safe_gate, lower_bound -5) on a CUDA machine.
-# Usage: bash benchmarks/gpu_kda.sh            (needs torch with CUDA; installs fla-core + triton if missing)
+# Usage: bash benchmarks/gpu_kda.sh [OUT.json]  (needs torch with CUDA; installs fla-core + triton if missing)
 # Runs in under 5 minutes: the GPU equivalence tests, then fwd / fwd+bwd timings against SDPA at T = 2K, 8K, 32K
-# (H = 16 and 96, D = 128, bf16), printed and written to benchmarks/results/kda-gpu.json.
+# (H = 16 and 96, D = 128, bf16), printed and written to OUT.json (default runs/bench/kda-gpu.json, not committed;
+# benchmarks/results/kda-gpu.json to commit them).
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,6p' "$0" | cut -c3-; exit 0 ;; esac
+OUT="${1:-}"
+if [ -n "$OUT" ]; then OUT="$(realpath -m "$OUT")"; fi  # the caller's folder, before the cd below
 cd "$(dirname "$0")/.."
+export KDA_GPU_OUT="${OUT:-runs/bench/kda-gpu.json}"
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
 python -c "import fla, triton" 2>/dev/null || pip install -q "fla-core>=0.6.0" triton einops
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -42,8 +47,8 @@ for H in (16, 96):
         row = dict(H=H, T=T, kda_fwd_ms=fwd, kda_fwd_bwd_ms=fb, sdpa_fwd_ms=sdpa)
         print(row, flush=True)
         rows.append(row)
-os.makedirs("benchmarks/results", exist_ok=True)
-json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows},
-          open("benchmarks/results/kda-gpu.json", "w"), indent=1)
-print("wrote benchmarks/results/kda-gpu.json")
+out = os.environ["KDA_GPU_OUT"]
+os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, open(out, "w"), indent=1)
+print(f"wrote {out}")
 PY

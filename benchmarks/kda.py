@@ -1,13 +1,13 @@
 """`k3 bench kda` (or `python benchmarks/kda.py`): KDA speed on this machine against the matmul limit, the baselines
-and softmax attention (issue #3).
+and softmax attention.
 
 Owns the CPU benchmark of the KDA ops: for each shape, length T, input dtype and mode (forward, forward+backward)
 it times the recurrent reference (`kda_recurrent`), the fast chunked path (`kda_chunked`; for bf16 inputs
-`kda_chunked_bf16`, the op with bf16 tile operands that issue #3's bf16 targets are about), the pre-K3 log-space
-baseline (`kda_chunked_logspace` in kda_baselines.py), fla-core's pure-torch `naive_recurrent_kda` (loaded
+`kda_chunked_bf16`, the op with bf16 tile operands that the bf16 targets are about), the pre-K3 log-space
+baseline (`kda_chunked_logspace`, at the end of this file), fla-core's pure-torch `naive_recurrent_kda` (loaded
 standalone, no triton) and causal softmax attention (`scaled_dot_product_attention`, same heads and width). It
 measures the machine's fp32 and bf16 matmul rates in the same run and reports each cell's achieved GFLOP/s as a
-fraction of them, peak memory (kernel VmHWM reset per cell), accuracy checks, and every target of the issue as
+fraction of them, peak memory (kernel VmHWM reset per cell), accuracy checks, and every KDA target as
 measured / met. Cells that cannot run in the memory or time budget are kept, marked skipped with the reason.
 
 FLOP conventions (per head; C = 16 tile rows, matmul FLOPs only, elementwise work not counted):
@@ -32,11 +32,21 @@ import time
 
 import torch
 import torch.nn.functional as F
-from kda_baselines import kda_chunked_logspace
-from report import dtype_name, load_info, machine_info, measure_matmul, targets_table, write_report
+from report import (
+    dtype_name,
+    load_info,
+    machine_info,
+    measure_matmul,
+    out_help,
+    scratch_out,
+    targets_table,
+    write_report,
+)
 
 from openk3.ops.kda import kda_chunked, kda_gate, kda_recurrent
 from openk3.ops.kda.chunk_bf16 import kda_chunked_bf16
+from openk3.ops.kda.ref import run_sequences
+from openk3.ops.kda.unit_lower import unit_lower_inverse
 from openk3.utils import rel_rms, release_freed_memory, to_dtype
 
 PATHS = ["recurrent", "chunked", "logspace", "fla_naive", "sdpa"]
@@ -48,8 +58,7 @@ GROWTH = {"recurrent": 1, "chunked": 1, "logspace": 1, "fla_naive": 1, "sdpa": 2
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="k3 bench kda", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny shapes, one repetition (a few seconds; for tests)")
-    p.add_argument("--out", default=None, help="JSON results path (default: benchmarks/results/kda-cpu.json; with "
-                   "--quick runs/bench/kda-quick.json, so a quick run never replaces the committed results)")
+    p.add_argument("--out", default=None, help=out_help("kda-cpu") + " (--quick: runs/bench/kda-quick.json)")
     p.add_argument("--lengths", default=None, help="comma-separated T (default 512,2048,8192,32768)")
     p.add_argument("--dtype", default="fp32,bf16", help="input dtypes, comma-separated (fp32, bf16)")
     p.add_argument("--paths", default=",".join(PATHS), help="paths to run, comma-separated")
@@ -57,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--max-cell-gib", type=float, default=12.0, help="skip cells predicted to need more memory")
     args = p.parse_args(argv)
-    args.out = args.out or ("runs/bench/kda-quick.json" if args.quick else "benchmarks/results/kda-cpu.json")
+    args.out = args.out or scratch_out("kda-quick" if args.quick else "kda-cpu")
 
     if args.quick:
         shapes = {"quick": dict(H=2, K=32, V=32, lengths=[64, 256])}
@@ -132,7 +141,7 @@ def skip_reason(path, mode, T, cfg, dtype, fla_reason, args) -> str | None:
         if fla_reason is not None:
             return fla_reason
         if mode == "fwd+bwd":
-            return "forward-only comparison: the issue's target is fla's naive forward"
+            return "forward-only comparison: the target is fla's naive forward"
     if path == "recurrent" and mode == "fwd" and T > 8192:
         return "token-loop reference beyond 8K: 6+ GiB resident (one run was OOM-killed on this shared 24 GiB machine)"
     if path == "recurrent" and mode == "fwd+bwd" and T > 2048:
@@ -289,7 +298,7 @@ def _find(cells, **kw):
 
 
 def evaluate_targets(cells, result) -> list[dict]:
-    """Every target of issue #3 as measured in this run: value, met (True/False) or None when not measurable."""
+    """Every KDA target as measured in this run: value, met (True/False) or None when not measurable."""
     out = []
 
     def add(target, measured, met):
@@ -371,7 +380,7 @@ def markdown(result) -> str:
         "Matmul rate (best 2048² GEMM, this run): "
         + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result["matmul_gflops"].items()) + ".", "",
     ]  # fmt: skip
-    lines += targets_table(result["targets"], "issue #3")
+    lines += targets_table(result["targets"], "KDA on CPU")
     lines += ["", "## Cells", "", "| shape | dtype | path | mode | T | ms (min) | ms (median) | GFLOP/s | % matmul | "
               "peak MiB |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for c in result["cells"]:
@@ -394,6 +403,105 @@ def print_table(cells) -> None:
         else:
             print(f"{head}   skipped: {c['reason']}")
 
+
+
+# ---- the pre-K3 baseline ---------------------------------------------------------------------------------------------
+# Pre-K3 chunked KDA baseline: 64-token chunks, diagonal 16-token sub-tiles evaluated pair by pair in log space.
+#
+# `kda_chunked_logspace` is kept out of the package (no user calls it) so that `k3 bench kda` can show what the
+# gate's lower bound buys: the K3 chunked path anchors every tile at a shared row because g ≥ −5, so its
+# diagonal tiles are matmuls too. It is the algorithm FLA used before `safe_gate` (PR #703), written
+# in PyTorch with autograd for its backward; same contract and outputs as `kda_recurrent`
+# (tests/ops/test_kda_baseline.py).
+#
+# Math, per 64-token chunk with entering state S₀ (Γ = cumsum of g inside the chunk):
+#     A[i, j] = Σ_d x_{i,d} k_{j,d} exp(Γ_{i,d} − Γ_{j,d})      x = k (A_kk, j < i) or scale·q (A_qk, j ≤ i)
+#     off-diagonal sub-tile pairs (row sub-tile r after column sub-tile c): one matmul, anchored at the first row a of
+#         sub-tile r:  (x ⊙ e^{Γ − Γ_a}) (k ⊙ e^{Γ_a − Γ})ᵀ, both factors ≤ 1 for ANY gate;
+#     diagonal sub-tiles: no safe shared anchor without a lower bound on g, so every pair (i, j ≤ i) exponentiates
+#         its own Γ_i − Γ_j ≤ 0 per channel: a [16, 16, K] tensor per sub-tile instead of a matmul;
+#     T̃ = (I + Diag(β) A_kk)⁻¹,  W = T̃ Diag(β)(K ⊙ e^Γ),  Ũ = T̃ Diag(β) V,  U = Ũ − W S₀,
+#     O = scale (Q ⊙ e^Γ) S₀ + A_qk U,  S₀ ← Diag(e^{Γ_C}) S₀ + (K ⊙ e^{Γ_C − Γ})ᵀ U.
+#
+# Shapes: B batch, T tokens, H heads, K key dim, V value dim, n chunks, C = 64 chunk rows, c = 16 sub-tile rows,
+# s = C / c sub-tiles per chunk.
+
+LOGSPACE_CHUNK = 64
+SUBTILE = 16
+
+
+def kda_chunked_logspace(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The log-space chunked baseline; same contract as `kda_recurrent`. Valid for any g ≤ 0 (no lower bound)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return run_sequences(_logspace_sequence, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+
+
+def _to_chunks(x_BTHD: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, T, H, D] -> [B, H, n, C, D], zero (neutral) rows padding T up to n·C."""
+    B, T, H, D = x_BTHD.shape
+    x_BTHD = F.pad(x_BTHD, (0, 0, 0, 0, 0, n * LOGSPACE_CHUNK - T))
+    return x_BTHD.reshape(B, n, LOGSPACE_CHUNK, H, D).permute(0, 3, 1, 2, 4)
+
+
+def _intra_chunk_scores(x_BHnCK, k_BHnCK, G_BHnCK, causal_diag: bool) -> torch.Tensor:
+    """A [B, H, n, C, C] with A[i, j] = Σ_d x_i k_j e^{Γ_i − Γ_j} for j < i (j ≤ i when causal_diag)."""
+    s = LOGSPACE_CHUNK // SUBTILE
+    A = x_BHnCK.new_zeros(*x_BHnCK.shape[:-1], LOGSPACE_CHUNK)
+    for r in range(s):
+        rows = slice(r * SUBTILE, (r + 1) * SUBTILE)
+        G_rows = G_BHnCK[..., rows, :]
+        if r > 0:
+            # Off-diagonal pairs: anchor at the sub-tile's first row; every factor is e^(≤ 0).
+            G_a = G_rows[..., :1, :]
+            x_a = x_BHnCK[..., rows, :] * (G_rows - G_a).exp()
+            k_a = k_BHnCK[..., : r * SUBTILE, :] * (G_a - G_BHnCK[..., : r * SUBTILE, :]).exp()
+            A[..., rows, : r * SUBTILE] = x_a @ k_a.mT
+        # Diagonal sub-tile, pair by pair in log space: mask the exponent BEFORE exp (non-causal pairs would
+        # overflow to inf and give 0·inf = NaN in backward).
+        diff_ccK = G_rows[..., :, None, :] - G_rows[..., None, :, :]
+        causal_cc = torch.ones(SUBTILE, SUBTILE, dtype=torch.bool, device=x_BHnCK.device).tril(0 if causal_diag else -1)
+        diff_ccK = diff_ccK.masked_fill(~causal_cc[:, :, None], float("-inf"))
+        pair_ccK = x_BHnCK[..., rows, None, :] * k_BHnCK[..., None, rows, :] * diff_ccK.exp()
+        A[..., rows, rows] = pair_ccK.sum(-1)
+    return A
+
+
+def _logspace_sequence(q, k, v, g, beta, S_BHKV, scale):
+    """kda_chunked_logspace for one run of tokens, all inputs already in the compute dtype."""
+    B, T, H, _ = q.shape
+    V = v.shape[-1]
+    n = -(-T // LOGSPACE_CHUNK)
+    q_c, k_c, v_c, g_c = (_to_chunks(x, n) for x in (q, k, v, g))
+    beta_c = _to_chunks(beta[..., None], n)  # [B, H, n, C, 1]
+    G = g_c.cumsum(-2)
+    A_kk = beta_c * _intra_chunk_scores(k_c, k_c, G, causal_diag=False)
+    A_qk = _intra_chunk_scores(scale * q_c, k_c, G, causal_diag=True)
+    Tinv = unit_lower_inverse(A_kk)
+    decay = G.exp()
+    W = Tinv @ (beta_c * k_c * decay)
+    U_tilde = Tinv @ (beta_c * v_c)
+    Qd = scale * q_c * decay
+    Kr = k_c * (G[..., -1:, :] - G).exp()
+    D = G[..., -1, :].exp()[..., None]  # [B, H, n, K, 1]
+    o_chunks = []
+    for i in range(n):
+        U = U_tilde[:, :, i] - W[:, :, i] @ S_BHKV
+        o_chunks.append(Qd[:, :, i] @ S_BHKV + A_qk[:, :, i] @ U)
+        S_BHKV = D[:, :, i] * S_BHKV + Kr[:, :, i].mT @ U
+    if n == 0:
+        return v.new_zeros(B, 0, H, V), S_BHKV
+    o_BHnCV = torch.stack(o_chunks, dim=2)
+    return o_BHnCV.permute(0, 2, 3, 1, 4).reshape(B, n * LOGSPACE_CHUNK, H, V)[:, :T], S_BHKV
 
 if __name__ == "__main__":
     raise SystemExit(main())

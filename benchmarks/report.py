@@ -1,8 +1,11 @@
 """What every benchmark here shares: the one report writer (`write_report`: OUT.json with the numbers, OUT.md with
 the table, side by side) and the machine it ran on (`machine_info`, `load_info`, `measure_matmul`).
 
-Benchmarks import it as a sibling (`from report import write_report`): `python benchmarks/NAME.py` puts this folder
-on `sys.path`, and so does `k3 bench NAME` (`openk3.cli.load_benchmark`).
+Benchmarks import it as a sibling (`from report import write_report`): `python benchmarks/NAME.py` puts the script's
+folder first on `sys.path`. experiments/bench.py loads it by path for the experiments.
+
+Where results go: a benchmark writes under runs/bench/ (`scratch_out`, ignored by git) unless `--out` names a path;
+the committed results in benchmarks/results/ change only when asked for (`--out benchmarks/results/NAME`).
 """
 
 from __future__ import annotations
@@ -34,10 +37,22 @@ def write_report(result: dict, out: str, markdown: str) -> None:
     print(f"wrote {prefix}.json and {prefix}.md")
 
 
-def targets_table(targets: list[dict], issue: str, na: str = "n/a") -> list[str]:
-    """The "Targets" section every benchmark report opens with: one row per {"target", "measured", "met"}, where met
-    None (not measured at full size) reads `na`."""
-    lines = [f"## Targets ({issue})", "", "| target | measured | met |", "|---|---|---|"]
+def scratch_out(name: str) -> str:
+    """The default output of a benchmark run: runs/bench/NAME (.json and .md) under the current folder, which git
+    ignores."""
+    return os.path.join("runs", "bench", name)
+
+
+def out_help(committed: str) -> str:
+    """The `--out` help every benchmark gives: where a run writes by default and how to update committed results."""
+    return (f"JSON path or the path without .json; the .md goes beside it (default: {scratch_out(committed)}.json, "
+            f"not committed; --out benchmarks/results/{committed} replaces the committed results)")
+
+
+def targets_table(targets: list[dict], subject: str, na: str = "n/a") -> list[str]:
+    """The "Targets" section every benchmark report opens with ("## Targets: SUBJECT"): one row per {"target",
+    "measured", "met"}, where met None (not measured at full size) reads `na`."""
+    lines = [f"## Targets: {subject}", "", "| target | measured | met |", "|---|---|---|"]
     for t in targets:
         met = "yes" if t["met"] else "**no**" if t["met"] is False else na
         lines.append(f"| {t['target']} | {t['measured']} | {met} |")

@@ -1,4 +1,5 @@
-"""The agentic-RL benchmark (issue 14 targets), one run on this machine, written to benchmarks/results/rl-cpu.*:
+"""The agentic-RL benchmark (the RL targets), one run on this machine (committed results:
+benchmarks/results/rl-cpu.*):
 
 1. a fresh tiny policy, the warm start (copy pre-training, then SFT on demonstrations with a share of tool-free
    guesses), then `k3 rl` for a wall-clock budget (30 min); `--init` starts RL from an earlier run's warm start;
@@ -13,6 +14,8 @@
 
     python benchmarks/rl.py (or k3 bench rl) [--copy-steps 1600] [--sft-steps 500] [--guess-share 0.9] [--lr 1e-4]
         [--rl-minutes 30] [--kl-coef 0.1] [--task calculator,files] [--init WARM_RUN] [--out benchmarks/results/rl-cpu]
+
+Writes runs/bench/rl-cpu.{json,md} unless --out says where (benchmarks/results/rl-cpu: the committed results).
 """
 
 from __future__ import annotations
@@ -21,15 +24,16 @@ import argparse
 import copy
 import json
 import os
+import shlex
 import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter, defaultdict
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import machine_info, targets_table, write_report
+from report import machine_info, out_help, scratch_out, targets_table, write_report
 
 from openk3.rl.config import RLConfig
 from openk3.rl.envs import get_family
@@ -37,6 +41,7 @@ from openk3.rl.evaluate import SUCCESS
 from openk3.rl.loop import RLTrainer, engine_config
 from openk3.rl.plot import plot_rl_run
 from openk3.rl.rollout import RolloutWorker
+from openk3.rl.sft import fresh_policy
 from openk3.serve.engine import LLMEngine
 
 
@@ -113,7 +118,14 @@ def warm_start_of(run: str) -> tuple[float, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["layouts"]:
+        return layouts_main(argv[1:])
+    p = argparse.ArgumentParser(prog="python benchmarks/rl.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="`python benchmarks/rl.py layouts` compares `k3 rl` at several process layouts "
+                                "instead (`layouts --help`).")
     p.add_argument("--task", default="calculator,files")
     p.add_argument("--copy-steps", type=int, default=1600, help="k3 rl --copy-steps")
     p.add_argument("--sft-steps", type=int, default=500)
@@ -133,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         help="start RL from this earlier run's warm start (skips copy and SFT; its steps and guess share are reported)",
     )
     p.add_argument("--run", default="runs/bench-rl", help="the run folder (replaced)")
-    p.add_argument("--out", default="benchmarks/results/rl-cpu")
+    p.add_argument("--out", default=None, help=out_help("rl-cpu"))
     args = p.parse_args(argv)
+    args.out = args.out or scratch_out("rl-cpu")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     shutil.rmtree(args.run, ignore_errors=True)
     info = machine_info()
@@ -216,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     md = ["# Agentic RL on CPU (`python benchmarks/rl.py`)", "",
           (f"Machine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}; load before: "
            f"{info['load_before']}."), "",
-          *targets_table(targets, "issue 14"), "",
+          *targets_table(targets, "agentic RL"), "",
           "## Run", "",
           (f"- policy: fresh `tiny` ({args.task}); warm start: {args.copy_steps} copy pre-training steps, then "
            f"{args.sft_steps} SFT steps with a guess share of {args.guess_share}, {sft_s:.0f} s in all"
@@ -233,6 +246,93 @@ def main(argv: list[str] | None = None) -> int:
     write_report(result, args.out, "\n".join(md))
     return 0
 
+
+
+# ---- process layouts -------------------------------------------------------------------------------------------------
+# `k3 rl` at several process layouts, side by side in one run: the same short run (a fixed init, the same seed and
+# task stream) at `--nproc 1` and at `--nproc 2 --ep 2` (more with `--layouts`), each through the real command line
+# (torchrun for N > 1), written to runs/bench/rl-layouts-cpu.{json,md} (`--out benchmarks/results/rl-layouts-cpu`:
+# the committed results).
+#
+# Reported per layout, over the RL steps after the first (warm-up): seconds per step, generated tokens per second of
+# the rollout, the step's shares of inference, sandboxes and training, and the loss of each step (the layouts train on
+# different rollouts: each rank samples its own groups, so losses agree in scale, not in value).
+#
+# The init is a fresh `tiny` policy with the RL recipe's task tokenizer and no warm start: its episodes run to the
+# token budgets, which is what the timings need (the quality of the policy does not enter them).
+#
+#     python benchmarks/rl.py layouts [--steps 6] [--layouts "1;2 --ep 2"] [--out benchmarks/results/rl-layouts-cpu]
+
+def make_init(folder: str, task: str, seed: int) -> str:
+    model, tokenizer = fresh_policy("tiny", task.split(","), seed)
+    model.save_pretrained(folder)
+    tokenizer.save(folder)
+    return folder
+
+
+def run_layout(layout: str, init: str, run: str, args) -> dict:
+    """`k3 rl` at `layout` ("N [flags]"); the metrics rows of its RL steps and its wall time."""
+    nproc, *flags = shlex.split(layout)
+    cmd = [sys.executable, "-m", "openk3.cli", "rl", "--init", init, "--out", run, "--task", args.task,
+           "--steps", str(args.steps), "--groups-per-step", str(args.groups_per_step), "--group-size",
+           str(args.group_size), "--eval-tasks", "2", "--eval-every", str(10 * args.steps), "--save-every",
+           str(10 * args.steps), "--seed", str(args.seed), "--no-progress", "--nproc", nproc, *flags]  # fmt: skip
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    wall = time.perf_counter() - t0
+    with open(os.path.join(run, "metrics.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    return {"rows": [r for r in rows if r["step"] > 0], "wall_s": wall}
+
+
+def layout_summary(rows: list[dict]) -> dict:
+    timed = rows[1:] or rows  # the first step warms the engine and the fleet up
+
+    def mean(key):
+        return sum(r[key] for r in timed) / len(timed)
+
+    return {"step_s": mean("step_s"), "rollout_tokens_per_s": mean("rollout_tokens_per_s"),
+            "inference_share": mean("inference_share"), "sandbox_share": mean("sandbox_share"),
+            "train_share": mean("train_share"), "losses": [r["loss"] for r in rows]}  # fmt: skip
+
+
+def layouts_main(argv: list[str]) -> int:
+    """`python benchmarks/rl.py layouts`: the comparison above."""
+    p = argparse.ArgumentParser(prog="python benchmarks/rl.py layouts",
+                                description="the same short `k3 rl` run at several process layouts, side by side "
+                                "(seconds per step, rollout tokens/s, the step's shares, losses)")  # fmt: skip
+    p.add_argument("--layouts", default="1;2 --ep 2", help="';'-separated: the process count, then k3 rl flags")
+    p.add_argument("--task", default="calculator,files")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--groups-per-step", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help=out_help("rl-layouts-cpu"))
+    args = p.parse_args(argv)
+    args.out = args.out or scratch_out("rl-layouts-cpu")
+    info = machine_info()
+    layouts = [x.strip() for x in args.layouts.split(";") if x.strip()]
+    with tempfile.TemporaryDirectory(prefix="k3-rl-layouts-") as tmp:
+        init = make_init(os.path.join(tmp, "init"), args.task, args.seed)
+        results = {}
+        for i, layout in enumerate(layouts):
+            got = run_layout(layout, init, os.path.join(tmp, f"run-{i}"), args)
+            results[layout] = {**layout_summary(got["rows"]), "wall_s": got["wall_s"]}
+    md = ["# `k3 rl` at several layouts (`python benchmarks/rl.py layouts`)", "",
+          (f"Machine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}; load before: "
+           f"{info['load_before']}. Measured side by side in one run: {args.steps} RL steps each, "
+           f"{args.groups_per_step} groups x {args.group_size} samples, task {args.task}, a fresh tiny policy; means "
+           f"over steps 2-{args.steps}."), "",
+          "| --nproc and flags | s/step | rollout tokens/s | inference | sandboxes | training | wall (s) |",
+          "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for layout, r in results.items():
+        md.append(f"| {layout} | {r['step_s']:.2f} | {r['rollout_tokens_per_s']:.0f} | {r['inference_share']:.0%} | "
+                  f"{r['sandbox_share']:.1%} | {r['train_share']:.0%} | {r['wall_s']:.0f} |")  # fmt: skip
+    md += ["", ("Losses per step (each layout samples its own rollouts; a fresh policy solves nothing, so its group "
+                "advantages and losses are 0: this benchmark measures time, the tests measure equality):"), ""]
+    md += [f"- {layout}: {', '.join(f'{v:.4g}' for v in r['losses'])}" for layout, r in results.items()]
+    write_report({"machine": info, "settings": vars(args), "layouts": results}, args.out, "\n".join(md) + "\n")
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,5 @@
 """`k3 sandbox bench` (or `k3 bench sandbox`, `python benchmarks/sandbox.py`): the namespace sandbox backend against
-issue 13's targets, measured side by side in one run on this machine.
+the sandbox targets, measured side by side in one run on this machine.
 
 - snapshot and restore of a 100 MB workspace after a 1 MB change: the workspace is written inside the sandbox (100
   files of 1 MiB from /dev/urandom) and snapshotted once (that first snapshot copies the 100 MB, as any first one
@@ -26,19 +26,18 @@ import statistics
 import subprocess
 import time
 
-from report import load_info, machine_info, targets_table, write_report
+from report import load_info, machine_info, out_help, scratch_out, targets_table, write_report
 
 from openk3.sandbox.fleet import Fleet, open_backend
 
 MIB = 1 << 20
-REPORT_SNAPSHOT_MS, REPORT_RESTORE_MS = 133.0, 49.0  # K3 report's VM checkpoint / resume (spec/sandbox.md §1)
+REPORT_SNAPSHOT_MS, REPORT_RESTORE_MS = 133.0, 49.0  # the K3 report's microVM checkpoint / resume, ms
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="k3 sandbox bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small numbers throughout (seconds; for tests)")
-    p.add_argument("--out", default=None, help="JSON path, the .md beside it (default: benchmarks/results/sandbox-cpu"
-                   ".json; with --quick runs/bench/sandbox-quick.json, never the committed results)")  # fmt: skip
+    p.add_argument("--out", default=None, help=out_help("sandbox-cpu") + " (--quick: runs/bench/sandbox-quick.json)")
     p.add_argument("--workspace-mb", type=int, default=100)
     p.add_argument("--change-mb", type=int, default=1)
     p.add_argument("--reps", type=int, default=40, help="snapshot/restore rounds (past 32, one flattens the chain)")
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.workspace_mb, args.reps, args.fork, args.creates, args.execs, args.idle = 4, 3, 4, 5, 10, 8
-    args.out = args.out or ("runs/bench/sandbox-quick.json" if args.quick else "benchmarks/results/sandbox-cpu.json")
+    args.out = args.out or scratch_out("sandbox-quick" if args.quick else "sandbox-cpu")
 
     result = {"machine": machine_info(), "args": vars(args)}
     backend = open_backend("namespace", None, {})
@@ -245,7 +244,7 @@ def _pss_kb(pid: int) -> int:
 
 
 def headline(r: dict) -> dict:
-    """The issue's keys, at the top level of the JSON."""
+    """The targets' keys, at the top level of the JSON."""
     sr, ex, idle = r["snapshot_restore"], r["exec"], r["idle"]
     return {"snapshot_ms": sr["snapshot"]["p50_ms"], "restore_ms": sr["restore"]["p50_ms"],
             "fork64_s": r["fork"]["fork_s"], "create_ms_p50": r["create"]["create"]["p50_ms"],
@@ -286,7 +285,7 @@ def markdown(r: dict) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}.  ",
         f"Load before / after: `{m['load_before']}` / `{m['load_after']}`.", "",
     ]  # fmt: skip
-    lines += targets_table(r["targets"], "issue 13", na="n/a (smaller run)")
+    lines += targets_table(r["targets"], "sandboxes", na="n/a (smaller run)")
     lines += [
         "", "## What each number covers", "",
         f"- **snapshot / restore**: {sr['workspace_mb']} files of 1 MiB written inside the sandbox, snapshotted once "
@@ -300,7 +299,7 @@ def markdown(r: dict) -> str:
         f"{sr['restore']['max_ms']:.2f} ms. The restored workspace was checked "
         f"(no scratch file, {sr['workspace_kib_after_restore'] // 1024} MiB). Files only: process memory is not "
         f"part of a namespace snapshot. The K3 report's {REPORT_SNAPSHOT_MS:g} ms / {REPORT_RESTORE_MS:g} ms are "
-        "microVM checkpoint / resume, memory included: a different scope, set side by side as the issue asks, "
+        "microVM checkpoint / resume, memory included: a different scope, set side by side, "
         "not as equal work.",
         f"- **fork**: `fork(ref, {f['n']})` of one snapshot, until every new sandbox answers; closing them took "
         f"{f['close']['p50_ms']:.1f} ms p50 each.",

@@ -1,5 +1,6 @@
-"""Vision on CPU (issue 16): `python benchmarks/vision.py` (or `k3 bench vision`) writes
-benchmarks/results/vision-cpu.{md,json} and the gradient-norm figure vision-cpu-grad_norm.png.
+"""Vision on CPU: `python benchmarks/vision.py` (or `k3 bench vision`) writes
+OUT.{md,json} and the gradient-norm figure OUT-grad_norm.png (OUT: runs/bench/vision-cpu unless `--out` names it;
+`--out benchmarks/results/vision-cpu` replaces the committed results).
 
 Three parts, each skippable:
 1. from scratch (`--main-steps`): `k3 train --preset tiny-vl` with the given flags; held-out exact match and
@@ -26,9 +27,7 @@ import time
 from collections import Counter
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import machine_info, measure_matmul, targets_table, write_report
+from report import machine_info, measure_matmul, out_help, scratch_out, targets_table, write_report
 
 from openk3.config import K3Config
 from openk3.train.config import TrainConfig
@@ -211,7 +210,7 @@ def render(result: dict) -> tuple[list[dict], str]:
                  f"{100 * r['share_of_matmul_rate']:.0f}% |" for r in rows], ""]  # fmt: skip
     head = ["# Vision on CPU (`python benchmarks/vision.py`)", "",
             (f"Machine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}; load before the last part: "
-             f"{info['load_before']}."), "", *targets_table(targets, "issue 16"), ""]  # fmt: skip
+             f"{info['load_before']}."), "", *targets_table(targets, "vision"), ""]  # fmt: skip
     return targets, "\n".join(head + md)
 
 
@@ -233,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
                    "alone: the contrastive stage stays near chance in 300 steps, so it would compare nothing)")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--run", default="runs/bench-vision", help="run folders go under it (replaced)")
-    p.add_argument("--out", default="benchmarks/results/vision-cpu")
+    p.add_argument("--out", default=None, help=out_help("vision-cpu"))
     args = p.parse_args(argv)
+    args.out = args.out or scratch_out("vision-cpu")
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     parts = set(args.parts.split(","))
     result: dict = {}

@@ -11,8 +11,10 @@ import os
 import subprocess
 import sys
 
-import cpu as bench_cpu  # benchmarks/cpu.py (pyproject's pytest pythonpath)
 import pytest
+from bench_scripts import load
+
+bench_cpu = load("cpu")  # benchmarks/cpu.py
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "cpu.py")
 SMOKE = ["--preset", "tiny", "--rounds", "1", "--prefill-tokens", "16", "--decode-tokens", "4", "--quick"]

@@ -4,8 +4,10 @@ taught by its last checkpoint, and the methods run with the RL run's settings.""
 import json
 import os
 
-import distill as bench_distill  # benchmarks/distill.py (pyproject's pytest pythonpath)
 import pytest
+from bench_scripts import load
+
+bench_distill = load("distill")  # benchmarks/distill.py
 
 
 def _rl_run(root, steps, task="files,calculator"):

@@ -3,9 +3,11 @@ markdown with every cell, skipped ones carrying a reason."""
 
 import json
 
-import kda as bench_kda  # benchmarks/kda.py (pyproject's pytest pythonpath)
+from bench_scripts import load
 
 from openk3.cli import main as k3
+
+bench_kda = load("kda")  # benchmarks/kda.py
 
 
 def test_bench_kda_quick_writes_every_cell(tmp_path, monkeypatch):

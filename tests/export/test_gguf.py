@@ -320,8 +320,9 @@ def test_llama_cpp_tokenizes_like_openk3(tiny, tmp_path, kind):
 def test_llama_cpp_matches_openk3(tmp_path):
     """llama.cpp runs the export of a tiny `k3 init` checkpoint with openk3's logits (fp32, fp32 caches)."""
     pytest.importorskip("llama_cpp")
-    from llamacpp_fidelity import logits_rel_rms
+    from bench_scripts import load
 
+    logits_rel_rms = load("cpu").logits_rel_rms  # benchmarks/cpu.py's fidelity check
     assert main(["init", "--preset", "tiny", "--out", str(tmp_path)]) == 0
     result = logits_rel_rms(str(tmp_path), n_tokens=64, seed=0)
     assert result["rel_rms"] <= 1e-5, result

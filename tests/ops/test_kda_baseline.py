@@ -1,15 +1,17 @@
-"""Tests for benchmarks/kda_baselines.py: the pre-K3 log-space chunked algorithm gives the same results as the
-token loop and the fast path (outputs, states, gradients), so the benchmark compares equal work.
+"""The pre-K3 baseline of benchmarks/kda.py (`kda_chunked_logspace`): the log-space chunked algorithm gives the same
+results as the token loop and the fast path (outputs, states, gradients), so the benchmark compares equal work.
 Shapes: B batch, T tokens, H heads, K key dim, V value dim, N sequences.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
-from kda_baselines import kda_chunked_logspace  # benchmarks/kda_baselines.py (pyproject's pytest pythonpath)
+from bench_scripts import load  # benchmarks/kda.py, loaded by path
 
 from openk3.ops.kda import kda_chunked, kda_gate, kda_recurrent
 from openk3.utils import rel_rms
+
+kda_chunked_logspace = load("kda").kda_chunked_logspace
 
 
 def inputs(B, T, H=2, K=16, V=8, seed=0, g_value=None):

@@ -3,7 +3,9 @@ its share with replicas; bytes are reported per rank."""
 
 import json
 
-import ep as bench_ep  # benchmarks/ep.py
+from bench_scripts import load
+
+bench_ep = load("ep")  # benchmarks/ep.py
 
 
 def test_ep_simulation_quick(tmp_path):

@@ -17,8 +17,8 @@ from openk3.data.tokenizer import load_tokenizer, train_bpe
 from openk3.model.model import K3ForCausalLM
 from openk3.rl.distill import DistillTrainer, budget_reward, loss_groups, offpolicy_weights, opd_reward
 from openk3.rl.distill_config import DistillConfig, TauSchedule, parse_tau_final
-from openk3.rl.distill_recipe import evaluate_policy, policy_episodes
 from openk3.rl.envs import initial_messages
+from openk3.rl.evaluate import evaluate_policy, policy_episodes
 from openk3.rl.logprobs import sequence_log_softmax, sequence_logprobs
 from openk3.rl.teachers import TeacherKey, TeacherRegistry, VocabularyMismatch, parse_teachers
 from openk3.rl.transcript import prompt_ids

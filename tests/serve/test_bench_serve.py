@@ -3,7 +3,9 @@ matches `k3 plan` exactly (the one target that is exact rather than timed)."""
 
 import json
 
-import serve as bench_serve  # benchmarks/serve.py
+from bench_scripts import load
+
+bench_serve = load("serve")  # benchmarks/serve.py
 
 
 def test_bench_serve_quick_writes_every_section(tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
-"""Why tiny-vl does not learn to read in 15 minutes (issue 16): the tower alone against a small CNN on the simplest
+"""Why tiny-vl does not learn to read in 15 minutes: the tower alone against a small CNN on the simplest
 reading task there is, one capital letter per image, side by side on the same images, steps and optimiser.
 
-    python benchmarks/vision_glyph.py [--steps 400] [--models ...] [--colours random,bw] [--placement free]
+    python experiments/vision_glyph.py [--steps 400] [--models ...] [--colours random,bw] [--placement free]
         [--out benchmarks/results/vision-glyph]
 
 Data: a 56x56 image (4x4 patches of 14 px, 2x2 LM tokens) holding one of 24 capital letters (no I, O) in DejaVu
@@ -27,18 +27,15 @@ varies between images at the start and the end (`image_share`).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from bench import report  # benchmarks/report.py, loaded by path (experiments/bench.py)
 from PIL import Image, ImageDraw
 from torch import nn
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import machine_info, write_report
 
 from openk3.config import K3Config
 from openk3.data import vision_tasks as vt
@@ -191,17 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results/vision-glyph")
+    p.add_argument("--out", default="runs/experiments/vision-glyph",
+                   help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
+                   "--out benchmarks/results/vision-glyph replaces the committed result)")
     args = p.parse_args(argv)
-    machine = machine_info()
+    machine = report.machine_info()
     runs = [train(m, args, colours == "bw", placement == "aligned") for placement in args.placement.split(",")
             for colours in args.colours.split(",") for m in args.models.split(",")]  # fmt: skip
     steps = [s for s, _, _ in runs[0]["curve"]]
-    lines = ["# One letter per image: the tiny-vl tower vs a small CNN (`python benchmarks/vision_glyph.py`)", "",
+    lines = ["# One letter per image: the tiny-vl tower vs a small CNN (`python experiments/vision_glyph.py`)", "",
              (f"Machine: {machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}. {args.steps} "
               f"steps of {args.batch} fresh images, AdamW lr {args.lr}, seed {args.seed}; held-out accuracy on "
               f"{HELDOUT} images (chance 4.2%)."), "",
-             "Run: `python benchmarks/vision_glyph.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`",
+             "Run: `python experiments/vision_glyph.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`",
              "", "| model | colours | placement | parameters | " + " | ".join(f"step {s}" for s in steps)
              + " | image share: start -> end | time |", "|---|---|---|---|" + "---|" * (len(steps) + 2)]  # fmt: skip
     for r in runs:
@@ -213,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['seconds']:.0f} s |")  # fmt: skip
     lines += ["", ("Image share: the part of the pooled features (the head's input) that varies between the "
                    "held-out images (`image_share`); near 0 the encoder maps every image to the same vector.")]  # fmt: skip
-    write_report({"machine": machine, "args": vars(args), "runs": runs}, args.out, "\n".join(lines) + "\n")
+    report.write_report({"machine": machine, "args": vars(args), "runs": runs}, args.out, "\n".join(lines) + "\n")
     return 0
 
 

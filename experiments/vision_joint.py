@@ -1,7 +1,7 @@
-"""Does the tiny-vl model learn to read through the language model (issue 16)? The real `k3 train --preset tiny-vl`
+"""Does the tiny-vl model learn to read through the language model? The real `k3 train --preset tiny-vl`
 loop, next-token prediction on the answer only, on `vision_glyph.py`'s one-letter images and on the text task.
 
-    python benchmarks/vision_joint.py [--tasks glyph-bw-aligned,text] [--steps 400] [--lr 3e-4]
+    python experiments/vision_joint.py [--tasks glyph-bw-aligned,text] [--steps 400] [--lr 3e-4]
         [--vision-lr 3e-4] [--out benchmarks/results/vision-joint]
 
 `vision_glyph.py` trains the tower with a linear head. This benchmark asks the same question of the joint model,
@@ -27,9 +27,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vision_glyph
-from report import machine_info, write_report
+from bench import report  # benchmarks/report.py, loaded by path (experiments/bench.py)
 
 from openk3.cli import main as k3_main
 from openk3.data import vision_tasks as vt
@@ -107,28 +106,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default="runs/bench-vision-joint",
                    help="run folders (a finished task is not rerun, one cut short is resumed)")  # fmt: skip
-    p.add_argument("--out", default="benchmarks/results/vision-joint")
+    p.add_argument("--out", default="runs/experiments/vision-joint",
+                   help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
+                   "--out benchmarks/results/vision-joint replaces the committed result)")
     args = p.parse_args(argv)
     for task in args.tasks.split(","):
         try:
             glyph_options(task)
         except ValueError as err:
             p.error(str(err))
-    machine = machine_info()
+    machine = report.machine_info()
     runs = [run(task, args, args.work) for task in args.tasks.split(",")]
     steps = [s for s, _, _ in runs[0]["evals"]]
-    lines = ["# Reading through the language model: tiny-vl joint training (`python benchmarks/vision_joint.py`)", "",
+    lines = ["# Reading through the language model: tiny-vl joint training (`python experiments/vision_joint.py`)", "",
              (f"Machine: {machine['cpu']}, {machine['threads']} threads, torch {machine['torch']}. `k3 train --preset "
               f"tiny-vl`, {args.steps} steps of 32 fresh examples, lr {args.lr}, tower and projector lr "
               f"{args.vision_lr}, seed {args.seed}; held-out exact match of greedy answers on {args.eval_examples} "
               "examples."), "",
-             "Run: `python benchmarks/vision_joint.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`",
+             "Run: `python experiments/vision_joint.py " + " ".join(argv if argv is not None else sys.argv[1:]) + "`",
              "", "| task | " + " | ".join(f"step {s}" for s in steps) + " | tower grad norm at the end | time |",
              "|---|" + "---|" * (len(steps) + 2)]  # fmt: skip
     for r in runs:
         cells = " | ".join(f"{acc:.1%}" for _, acc, _ in r["evals"])
         lines.append(f"| {r['task']} | {cells} | {r['grad_norm_tower']:.3g} | {r['seconds']:.0f} s |")
-    write_report({"machine": machine, "args": vars(args), "runs": runs}, args.out, "\n".join(lines) + "\n")
+    report.write_report({"machine": machine, "args": vars(args), "runs": runs}, args.out, "\n".join(lines) + "\n")
     return 0
 
 

@@ -1,20 +1,21 @@
-"""Issue #4's training targets, measured in one process, one run after another (ratios and floors from the same run).
+"""The training targets, measured in one process, one run after another (ratios and floors from the same run).
 
-    python benchmarks/train_targets.py [--quick] [--out benchmarks/results/train-cpu]
+    python benchmarks/train.py [--quick] [--skip RUN ...] [--out benchmarks/results/train-cpu]
 
 1. `k3 train --preset tiny` defaults on the embedded stdlib corpus: wall time until the validation loss falls below
    the unigram baseline, final validation loss, the printed sample, tokens/s and MFU against this machine's matmul
    rate (measured here).
    The same run with `--optimizer muon` beside it (Muon for the hidden matrices, AdamW for the rest).
 2. Balancing: the same run with `--balance sign`, `--balance none`, and K3's rule damped (`--balance-exact-thresholds
-   --balance-ema 0.5`); MaxVio as spec/balancing.md §3 reports it (mean of the per-step max over layers, last 20
+   --balance-ema 0.5`); MaxVio as the K3 report measures it (mean of the per-step max over layers, last 20
    steps) against the floor of perfectly balanced random routing at the same tokens per step (q̄ stated).
 3. q̄ >= 2048 tokens per expert per step (tiny: 8 experts, top-2, 8192 tokens per step, as 128 rows of 64 tokens):
    per-layer MaxVio, last 20 steps, with K3's rule and the damped variant.
 4. MQAR accuracy of a small MQAR run (and at 4x its training length), and needle retrieval at 4x the training length
    of a small needle run (its curriculum trains the first half at a quarter of the length: short haystacks first).
 
-Writes OUT.json and OUT.md. Run it on a quiet machine: concurrent processes distort tokens/s (the ratios and MaxVio
+Writes OUT.json and OUT.md (default runs/bench/train-cpu.*; `--out benchmarks/results/train-cpu` replaces the
+committed results). Run it on a quiet machine: concurrent processes distort tokens/s (the ratios and MaxVio
 values do not depend on speed).
 """
 
@@ -29,7 +30,7 @@ import tempfile
 import time
 
 import torch
-from report import machine_info, measure_matmul, write_report
+from report import machine_info, measure_matmul, out_help, scratch_out, write_report
 
 from openk3.train.config import TrainConfig
 from openk3.train.metrics import random_routing_maxvio_floor
@@ -72,12 +73,14 @@ def _run(name: str, root: str, **kw) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python benchmarks/train.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few steps of each run (smoke test)")
-    parser.add_argument("--out", default="benchmarks/results/train-cpu")
+    parser.add_argument("--out", default=None, help=out_help("train-cpu"))
     parser.add_argument("--skip", nargs="*", default=[], help="runs to skip (names as in the table)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.out = args.out or scratch_out("train-cpu")
     q = args.quick
     root = tempfile.mkdtemp(prefix="openk3-bench-train-")
     machine = {**machine_info(), "matmul_fp32_gflops": measure_matmul(False, [torch.float32])["fp32"]}
@@ -112,11 +115,12 @@ def main() -> None:
     print(markdown)
     write_report(report, args.out, markdown)
     shutil.rmtree(root, ignore_errors=True)
+    return 0
 
 
 def _markdown(report: dict) -> str:
     m = report["machine"]
-    lines = ["# Training targets (issue #4)\n", f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
+    lines = ["# Training targets\n", f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
              f"{m['threads']} threads, measured fp32 matmul {m['matmul_fp32_gflops']:.0f} GFLOP/s.\n",
              "| run | steps | wall s | tokens/s | MFU | final val loss | unigram | below unigram at | MaxVio last 20 | floor | q̄ | MQAR acc | MQAR acc (4x) | needle acc (4x) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -143,4 +147,4 @@ def _markdown(report: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

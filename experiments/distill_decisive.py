@@ -2,7 +2,7 @@
 whether the loss starts at the first tool call, and how sure each model is of the one token that decides a `find`
 question.
 
-    python benchmarks/distill_decisive.py --tokenizer WORK/cold --teachers files:max=WORK/teacher-files-max \\
+    python experiments/distill_decisive.py --tokenizer WORK/cold --teachers files:max=WORK/teacher-files-max \\
         --students start=WORK/cold,opd30=WORK/run-opd/checkpoints/step-00000030 --tasks 144 --out FILE.json
 
 Three measurements, each per teacher key, on `--tasks` test-split tasks from `--first` (0: its first):
@@ -28,20 +28,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import sys
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distill import RECIPE_BUDGETS
+from bench import distill  # benchmarks/distill.py, loaded by path (experiments/bench.py)
 from distill_reeval import model_runs, runs_parser, write_result
 
 from openk3.data.xtml_parse import parse_xtml
-from openk3.rl.distill_recipe import policy_episodes
 from openk3.rl.envs import get_family, initial_messages
-from openk3.rl.evaluate import SUCCESS
+from openk3.rl.evaluate import SUCCESS, policy_episodes
 from openk3.rl.logprobs import sequence_logprobs
 from openk3.rl.transcript import prompt_ids
 from openk3.train.checkpoint import load_model
@@ -145,12 +140,13 @@ def main(argv: list[str] | None = None) -> int:
         for name, path, run_keys, tagged in runs:
             model = load_model(path, dtype=torch.float32)[0].eval()
             trajs = policy_episodes(model, tokenizer, run_keys, args.tasks, fleet, tagged=tagged,
-                                    temperature=args.temperature, first=args.first, **RECIPE_BUDGETS)  # fmt: skip
+                                    temperature=args.temperature, first=args.first,
+                                    **distill.RECIPE_BUDGETS)  # fmt: skip
             if not tagged:  # the teacher's greedy episodes give the key-copy cases of its key
                 (key,) = run_keys
                 greedy = trajs[key] if args.temperature == 0 else policy_episodes(
                     model, tokenizer, [key], args.tasks, fleet, tagged=False, first=args.first,
-                    **RECIPE_BUDGETS)[key]  # fmt: skip
+                    **distill.RECIPE_BUDGETS)[key]  # fmt: skip
                 cases[key] = key_copy_cases(greedy, tokenizer)
             result["kinds"][name] = {str(k): by_kind(v, tokenizer) for k, v in trajs.items()}
             result["key_copy"][name] = {  # a teacher on its own key, untagged; a student on each key, tagged

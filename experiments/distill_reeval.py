@@ -2,7 +2,7 @@
 (24 per key: one task is 4.2 points, the standard error about 10), greedy, as `benchmarks/distill.py` evaluates, or
 sampled (`--temperature 1`).
 
-    python benchmarks/distill_reeval.py --tokenizer WORK/cold --tasks 144 \\
+    python experiments/distill_reeval.py --tokenizer WORK/cold --tasks 144 \\
         --students g8=WORK/run-opd/checkpoints/step-00000030 \\
         --teachers files:low=WORK/teacher-files-low,files:max=WORK/teacher-files-max --out FILE.json
 
@@ -19,13 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distill import RECIPE_BUDGETS, evaluate_models, success_ratio  # benchmarks/distill.py: the benchmark's evaluation
+from bench import distill  # benchmarks/distill.py, loaded by path (experiments/bench.py)
 
 from openk3.data.tokenizer import load_tokenizer
 from openk3.rl.teachers import parse_teachers
@@ -71,13 +67,14 @@ def main(argv: list[str] | None = None) -> int:
                                 "distribution the student is trained to match)").parse_args(argv)  # fmt: skip
     tokenizer, _, keys, runs = model_runs(args)
     result: dict = {"tasks": args.tasks, "first": args.first, "temperature": args.temperature, "eval": {}}
-    for name, _, got, seconds in evaluate_models(runs, args.tasks, RECIPE_BUDGETS, temperature=args.temperature,
-                                                 tokenizer=tokenizer, first=args.first):  # fmt: skip
+    evaluations = distill.evaluate_models(runs, args.tasks, distill.RECIPE_BUDGETS, temperature=args.temperature,
+                                          tokenizer=tokenizer, first=args.first)
+    for name, _, got, seconds in evaluations:
         result["eval"][name] = got
         print(f"{name}: {got} ({seconds:.0f} s)", flush=True)
     teacher_success = {str(k): result["eval"][f"teacher {k}"][str(k)]["success"] for k in keys}
     result["student_over_teacher"] = {
-        name: success_ratio({k: v["success"] for k, v in result["eval"][name].items()}, teacher_success)
+        name: distill.success_ratio({k: v["success"] for k, v in result["eval"][name].items()}, teacher_success)
         for name, _, _, tagged in runs if tagged
     }  # fmt: skip
     write_result(result, "student_over_teacher", args.out)

@@ -1,19 +1,21 @@
-"""The worked distillation recipe (rl/distill_recipe.py): its efforts really differ in length (the effort target's
-premise: teachers closer than 0.6x could not teach it), the answer and tool calls do not depend on the effort, and
-the cold start's mixture follows `long_share` (mostly the top effort's reasoning, else the tag's)."""
+"""The worked distillation recipe (the recipe section of benchmarks/distill.py): its efforts really differ in length
+(the effort target's premise: teachers closer than 0.6x could not teach it), the answer and tool calls do not depend
+on the effort, and the cold start's mixture follows `long_share` (mostly the top effort's reasoning, else the tag's)."""
 
 from __future__ import annotations
 
 import statistics
 
 import pytest
+from bench_scripts import load
 
 from openk3.config import K3Config
-from openk3.rl import distill_recipe
-from openk3.rl.distill_recipe import RecipeStream, demo_ids, effort_turns, recipe_tokenizer
 from openk3.rl.envs import get_family
 from openk3.rl.teachers import parse_teachers, top_efforts
 
+distill_recipe = load("distill")  # benchmarks/distill.py
+RecipeStream, demo_ids = distill_recipe.RecipeStream, distill_recipe.demo_ids
+effort_turns, recipe_tokenizer = distill_recipe.effort_turns, distill_recipe.recipe_tokenizer
 KEYS = sorted(parse_teachers("files:low=-,files:max=-"))
 
 

@@ -7,7 +7,7 @@ expression is not the task's (a number or operator miscopied), or the right expr
 (the printed result miscopied, or none given). The per-number copy rate p is what success hangs on: three numbers
 right take p^3, so 0.8 a number is about 50% a task and 0.6 about 22% (docs/distill.md).
 
-    python benchmarks/distill_copy.py --tokenizer WORK/cold --teachers calculator=WORK/teacher-calculator \\
+    python experiments/distill_copy.py --tokenizer WORK/cold --teachers calculator=WORK/teacher-calculator \\
         --students start=WORK/cold,offpolicy=WORK/run-offpolicy/checkpoints/step-00000150 --tasks 144 --out FILE.json
 
 Greedy by default, on the test split's tasks from `--first`, as `benchmarks/distill.py` judges: a teacher in its own
@@ -19,19 +19,14 @@ where a student's gap to its teacher lies, and whether it solves tasks the teach
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distill import RECIPE_BUDGETS
+from bench import distill  # benchmarks/distill.py, loaded by path (experiments/bench.py)
 from distill_reeval import model_runs, runs_parser, write_result
 
-from openk3.rl.distill_recipe import policy_episodes
-from openk3.rl.evaluate import SUCCESS
+from openk3.rl.evaluate import SUCCESS, policy_episodes
 from openk3.rl.teachers import TeacherKey, parse_teachers
 from openk3.train.checkpoint import load_model
 
@@ -110,7 +105,7 @@ def calculator_copy(path: str, tokenizer, fleet, tasks: int, *, tagged: bool, te
     (`policy_episodes` with the recipe's budgets: greedy by default)."""
     model, _ = load_model(path, dtype=torch.float32)
     trajs = policy_episodes(model.eval(), tokenizer, [CALCULATOR], tasks, fleet, tagged=tagged,
-                            temperature=temperature, first=first, **RECIPE_BUDGETS)[CALCULATOR]  # fmt: skip
+                            temperature=temperature, first=first, **distill.RECIPE_BUDGETS)[CALCULATOR]  # fmt: skip
     return copy_errors([(t.task.meta["expression"], tokenizer.decode(t.tokens[t.prompt_len :]), t.reward)
                         for t in trajs])  # fmt: skip
 
@@ -147,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out.endswith(".json"):  # the table beside the JSON, for the results folder
         with open(args.out[: -len(".json")] + ".md", "w", encoding="utf-8") as f:
             title = (
-                f"# Calculator copy errors (`python benchmarks/distill_copy.py`), {args.tasks} tasks from {args.first}"
+                f"# Calculator copy errors (`python experiments/distill_copy.py`), {args.tasks} tasks from {args.first}"
             )
             f.write("\n".join([title, "", *table, ""]))
     write_result(result, "models", args.out)

@@ -19,7 +19,7 @@ and evaluates each (greedy, `--eval-tasks` held-out tasks, the benchmark's view)
 success, the share of the numbers copied exactly, solved tasks by the task's digits. It also reports how the teacher's solved
 samples differ from the scripted demonstrations token by token, and the digits of the tasks kept against all drawn.
 
-    python benchmarks/distill_data_control.py --work WORK --out benchmarks/results/distill-cpu-data-control.json
+    python experiments/distill_data_control.py --work WORK --out benchmarks/results/distill-cpu-data-control.json
 
 WORK is a `benchmarks/distill.py` work folder holding `cold` and `teacher-calculator`; the students are saved to
 WORK/NAME-{arm} (`--name`, default control; reused when present).
@@ -31,18 +31,14 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distill import RECIPE_BUDGETS, _bar
+from bench import distill  # benchmarks/distill.py, loaded by path (experiments/bench.py)
 from distill_copy import CALCULATOR, DIGIT_BUCKETS, calculator_copy, copy_table, digit_bucket
 
 from openk3.data.tokenizer import load_tokenizer
-from openk3.rl.distill_recipe import demo_ids, policy_episodes, save_policy, supervised
-from openk3.rl.evaluate import SUCCESS
+from openk3.rl.evaluate import SUCCESS, policy_episodes
 from openk3.train.checkpoint import load_model
 
 ARMS = ("teacher", "scripted", "all-tasks")
@@ -55,7 +51,8 @@ def teacher_data(teacher, tokenizer, fleet, tasks: int, samples: int, temperatur
     for first in range(0, tasks, CHUNK):
         n = min(CHUNK, tasks - first)
         out += policy_episodes(teacher, tokenizer, [CALCULATOR], n, fleet, tagged=False, temperature=temperature,
-                               first=first, split="train", samples=samples, **RECIPE_BUDGETS)[CALCULATOR]  # fmt: skip
+                               first=first, split="train", samples=samples,
+                               **distill.RECIPE_BUDGETS)[CALCULATOR]  # fmt: skip
         solved = sum(t.reward >= SUCCESS for t in out)
         print(f"teacher samples: {first + n}/{tasks} tasks, {solved} of {len(out)} samples solved", flush=True)
     return out
@@ -70,8 +67,8 @@ def arms_data(trajs: list, tokenizer, samples: int) -> tuple[dict, dict]:
             kept.append((list(t.tokens), list(t.generated)))
             kept_tasks.append(t.task)
     distinct = [t.task for t in trajs[::samples]]  # the samples of a task are consecutive
-    scripted = [demo_ids(task, tokenizer, style=None, tag=None) for task in kept_tasks]
-    all_tasks = [demo_ids(task, tokenizer, style=None, tag=None) for task in distinct[: len(kept)]]
+    scripted = [distill.demo_ids(task, tokenizer, style=None, tag=None) for task in kept_tasks]
+    all_tasks = [distill.demo_ids(task, tokenizer, style=None, tag=None) for task in distinct[: len(kept)]]
     same, diffs = 0, []
     for (ids, _), (demo, _) in zip(kept, scripted):
         same += ids == demo
@@ -112,10 +109,10 @@ def train_arm(cold: str, tokenizer, examples: list, args, path: str) -> str:
         cursor[0] += args.batch
         return out
 
-    bar, tick = _bar(os.path.basename(path), args.steps)
-    supervised(model, batch, args.steps, args.lr, decay=not args.constant, progress=tick)
+    bar, tick = distill.progress_bar(os.path.basename(path), args.steps)
+    distill.supervised(model, batch, args.steps, args.lr, decay=not args.constant, progress=tick)
     bar.close()
-    return save_policy(model, tokenizer, path)
+    return distill.save_policy(model, tokenizer, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 def write_tables(result: dict, out: str) -> None:
     d, s = result["data"], result["settings"]
     lines = [
-        "# Calculator: the teacher's solved samples against its scripted demonstrations (`benchmarks/distill_data_control.py`)",
+        "# Calculator: the teacher's solved samples against its scripted demonstrations (`experiments/distill_data_control.py`)",
         "",
         (f"From the cold start, calculator alone, {s['steps']} SFT steps of {s['batch']} examples at {s['lr']:g}, "
         + ("constant" if s["constant"] else "linear to a tenth (the teachers' steps, batch and decay)")

@@ -1,5 +1,5 @@
-"""`python benchmarks/engine_step_ab.py --base /tmp/base`: decode tok/s of the serving engine in two source trees,
-side by side in one run (issue 18 item 6: the batched engine step against the per-request one).
+"""`python experiments/engine_step_ab.py --base /tmp/base`: decode tok/s of the serving engine in two source trees,
+side by side in one run (made for the batched engine step against the per-request one).
 
 Each measurement is a subprocess with `PYTHONPATH=<tree>` that uses the public API only (`LLMEngine`,
 `SamplingParams`, a random-weight model of `K3Config.preset(--preset)`, prompts of fixed ids, `ignore_eos`):
@@ -130,14 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", action="append", default=[], metavar="NAME=PATH",
                    help="another tree measured beside them (e.g. one change alone on top of the base)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="benchmarks/results/engine-step.json")
+    p.add_argument("--out", default="runs/experiments/engine-step",
+                   help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
+                   "--out benchmarks/results/engine-step replaces the committed result)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args)))
         return 0
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from report import load_info, machine_info, write_report
+    from bench import report  # benchmarks/report.py, loaded by path (experiments/bench.py)
+
+    load_info, machine_info, write_report = report.load_info, report.machine_info, report.write_report
 
     trees = {"before": args.base, "after": args.new, **dict(e.split("=", 1) for e in args.extra)}
     runs: dict[str, list[dict]] = {name: [] for name in trees}
@@ -171,9 +174,9 @@ def markdown(r: dict) -> str:
     a, m, names = r["args"], r["machine"], list(r["trees"])
     others = names[1:]
     lines = [
-        "# Engine step: before / after (issue 18 item 6)",
+        "# Engine step: before / after",
         "",
-        f"`python benchmarks/engine_step_ab.py` — `{a['preset']}` random-weight model, {a['prompt']}-token prompts, "
+        f"`python experiments/engine_step_ab.py` — `{a['preset']}` random-weight model, {a['prompt']}-token prompts, "
         f"{a['tokens']} output tokens per request (seeded sampling, temperature 0.8, top-p 0.9, `ignore_eos`), "
         f"one CPU thread per process, {a['repeats']} alternating rounds; {r['wall_s']:.0f} s in all.",
         "Trees: " + ", ".join(f"{n} `{p}`" for n, p in r["trees"].items()) + ".",

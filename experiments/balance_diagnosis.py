@@ -1,20 +1,21 @@
 """Where MaxVio comes from: the quantile-balancing rule, or the composition of the batches it is measured on.
 
-    python benchmarks/balance_diagnosis.py --ckpt RUN_DIR_OR_CHECKPOINT [--batches 40] [--out benchmarks/results/balance-diagnosis]
+    python experiments/balance_diagnosis.py --ckpt RUN_DIR_OR_CHECKPOINT [--batches 40]
+        [--out benchmarks/results/balance-diagnosis]
 
 A trained model is frozen (no drift), its router scores s [T, E] are recorded per MoE layer on fresh training batches,
 and quantile balancing (the trainer's own histogram code) is replayed on those scores, step after step: the bias
-computed from batch t routes batch t+1, and MaxVio (spec/balancing.md §3) is measured on batch t+1. At the same
+computed from batch t routes batch t+1, and MaxVio (max over experts of load / mean load − 1) is measured on batch t+1. At the same
 tokens per step:
 
 - `rows`: the batches as the trainer draws them (each row one random window of one document), K3's rule;
 - `shuffled`: the same tokens shuffled across the whole pool, so every batch is an i.i.d. sample of the pool;
-- `+exact+ema`: both again with the §2.4 exact thresholds and the §2.2 EMA (`--balance-exact-thresholds
+- `+exact+ema`: both again with exact quantile thresholds and an EMA of the bias update (`--balance-exact-thresholds
   --balance-ema E`), the damped variant;
 - `oracle`: each batch of `rows` routed with the pool's best bias (the exact solver run to convergence on all
   tokens), i.e. what a perfect, omniscient balancer scores on these batches; plus `in-sample`, batch t routed with
   the bias computed from batch t itself (the rule's own precision, one histogram pass), and the near-tie fraction
-  (spec §3's router health) at the converged bias.
+  (a router-health measure) at the converged bias.
 
 `shuffled` near the random-routing floor means the rule keeps up with i.i.d. batches; `oracle` far above the floor
 means the batches' composition (tokens of one document route alike) puts MaxVio out of reach of any bias computed
@@ -32,7 +33,7 @@ import os
 import statistics
 
 import torch
-from report import write_report
+from bench import report as results  # benchmarks/report.py, loaded by path (experiments/bench.py)
 
 from openk3.model.batch import ForwardBatch
 from openk3.ops.moe.route import route_topk
@@ -130,7 +131,9 @@ def main() -> None:
     parser.add_argument("--shapes", default="16x256,32x256,128x64", help="rows x seq_len per step, comma separated")
     parser.add_argument("--bins", type=int, default=1000)
     parser.add_argument("--ema", type=float, default=0.5, help="the damped variant's --balance-ema")
-    parser.add_argument("--out", default="benchmarks/results/balance-diagnosis")
+    parser.add_argument("--out", default="runs/experiments/balance-diagnosis",
+                   help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
+                   "--out benchmarks/results/balance-diagnosis replaces the committed result)")
     args = parser.parse_args()
     model, ckpt = load_model(args.ckpt, dtype=torch.float32)
     model.eval()
@@ -153,7 +156,7 @@ def main() -> None:
               *(json.dumps({key: round(v, 4) for key, v in row.items()}) for row in d["per_layer"]), sep="\n", flush=True)  # fmt: skip
     markdown = _markdown(report)
     print(markdown)
-    write_report(report, args.out, markdown)
+    results.write_report(report, args.out, markdown)
 
 
 COLUMNS = ("rows", "shuffled", "rows_exact_ema", "shuffled_exact_ema", "oracle", "in_sample",
@@ -162,7 +165,7 @@ COLUMNS = ("rows", "shuffled", "rows_exact_ema", "shuffled_exact_ema", "oracle",
 
 def _markdown(r: dict) -> str:
     lines = [
-        "# Where MaxVio comes from (`benchmarks/balance_diagnosis.py`)\n",
+        "# Where MaxVio comes from (`experiments/balance_diagnosis.py`)\n",
         (
             f"Frozen checkpoint `{r['checkpoint']}`; {r['num_experts']} experts, top-{r['k']}; {r['batches']} fresh batches "
             f"per shape, the first 5 replayed steps dropped; QB with {r['bins']} bins.\n"
@@ -173,7 +176,7 @@ def _markdown(r: dict) -> str:
             f"`+exact+ema`: the same two with `--balance-exact-thresholds --balance-ema {r['ema']}`. `oracle`: the batches "
             "as drawn, routed with the pool's converged bias (no balancer can do better on them). `in-sample`: each batch "
             "routed with the bias K3's rule computed from that batch. `near-tie`: fraction of tokens whose k-th and "
-            "(k+1)-th biased scores differ by less than one bin at the converged bias (spec §3's router health).\n"
+            "(k+1)-th biased scores differ by less than one bin at the converged bias (a router-health measure).\n"
         ),
     ]
     for d in r["shapes"]:

@@ -9,7 +9,7 @@ benchmarks/results/kda-packed.{json,md}. With `--update-from RUN` (a `k3 rl` run
 update (`RLTrainer.update`, 64 sampled episodes) as it was (stream layout, the other log-prob gap every step) and as it
 is (lockstep, the other gap every `--gap-check-every` steps), interleaved:
 
-    python benchmarks/kda_packed.py [--repeats 5] [--update-from runs/bench-rl] [--out benchmarks/results/kda-packed]
+    python experiments/kda_packed.py [--repeats 5] [--update-from runs/bench-rl] [--out benchmarks/results/kda-packed]
 """
 
 from __future__ import annotations
@@ -22,10 +22,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, os.path.dirname(__file__))
-
-from report import machine_info, write_report
+from bench import report  # benchmarks/report.py, loaded by path (experiments/bench.py)
 
 from openk3.ops.kda import chunk
 from openk3.ops.kda.chunk import kda_chunked, lockstep_pays, lockstep_work
@@ -97,11 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--update-from", default=None, help="a k3 rl run whose warm start the RL update A/B samples from")
-    p.add_argument("--out", default="benchmarks/results/kda-packed")
+    p.add_argument("--out", default="runs/experiments/kda-packed",
+                   help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
+                   "--out benchmarks/results/kda-packed replaces the committed result)")
     args = p.parse_args(argv)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     default = chunk._LOCKSTEP_MAX_WORK
-    info, rows = machine_info(), []
+    info, rows = report.machine_info(), []
     try:
         for name, lens in batches().items():
             T = sum(lens)
@@ -128,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     update = rl_update_ab(args.update_from, max(1, args.repeats // 2)) if args.update_from else None
     if update:
         print(update, flush=True)
-    md = ["# Packed KDA: tile stream vs lockstep rows (`python benchmarks/kda_packed.py`)", "",
+    md = ["# Packed KDA: tile stream vs lockstep rows (`python experiments/kda_packed.py`)", "",
           f"Machine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}; load before: {info['load_before']}.",
           (f"Forward + backward of `kda_chunked` with `cu_seqlens`, H={H}, K={K}, V={V} (the tiny policy's KDA), "
            f"fp32; median of {args.repeats} interleaved runs per layout. `chosen`: the layout `lockstep_pays` picks "
@@ -142,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"tokens) of `{update['run']}`'s warm start: {update['before_s']:.1f} s before (stream layout, the "
                     f"other log-prob gap every step), {update['after_s']:.1f} s after (lockstep, the other gap every "
                     f"{RLConfig.gap_check_every} steps): **{update['speedup']:.2f}x**, median of interleaved runs.")]  # fmt: skip
-    write_report({"machine": info, "heads": H, "key_dim": K, "value_dim": V, "max_work": default, "rows": rows,
+    report.write_report({"machine": info, "heads": H, "key_dim": K, "value_dim": V, "max_work": default, "rows": rows,
                   "rl_update": update}, args.out, "\n".join(md) + "\n")  # fmt: skip
     return 0
 

@@ -8,6 +8,30 @@ import resource
 import pytest
 import torch
 
+from openk3.threads import physical_cores
+
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's default): one worker per physical core, at most MAX_WORKERS; most tests are small ops
+    whose time is Python's, which more threads in one process do not shorten, and more workers would multiply the
+    memory of the tests that build models and start several ranks."""
+    return max(1, min(MAX_WORKERS, physical_cores()))
+
+
+def _share_cores_among_workers():
+    """Under pytest-xdist each worker takes its share of the cores (torch's threads, and OMP_NUM_THREADS for the
+    processes its tests start), unless the user set OMP_NUM_THREADS."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and not os.environ.get("OMP_NUM_THREADS"):
+        share = max(1, physical_cores() // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
+
+
+_share_cores_among_workers()
+
 
 @pytest.fixture
 def one_thread():

@@ -17,5 +17,6 @@ class OpenAIServingHealth:
             raise APIError(503, body["error"], "server_error")
         return body
 
-    def metrics(self) -> str:
+    def metrics(self) -> bytes:
+        """Prometheus text exposition."""
         return self.llm.metrics.render()

@@ -6,7 +6,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "openk3"
-# benchmarks/ is scripts beside the package: `k3 bench` runs them by path (cli.load_benchmark), nothing imports them.
+# benchmarks/ is scripts beside the package: `k3 bench` runs them as scripts (cli.run_benchmark), nothing imports them.
 BENCHMARKS = {p.stem for p in (ROOT.parent / "benchmarks").glob("*.py")}
 
 # package -> openk3 packages it may import (itself always allowed)

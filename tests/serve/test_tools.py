@@ -336,10 +336,9 @@ def test_llm_chat_parses_as_the_server_does(served):
 
 
 def test_k3_chat_prints_reasoning_content_and_tool_calls(scripted, monkeypatch, capsys):
-    import argparse
     import io
 
-    from openk3.cli import _chat_loop
+    from openk3.serve.chat_repl import chat_loop
 
     engine = make_engine(MODEL, **OPTIONS)
     engine.tokenizer = TOKENIZER
@@ -350,12 +349,42 @@ def test_k3_chat_prints_reasoning_content_and_tool_calls(scripted, monkeypatch, 
     # The second turn's prompt holds the first answer as parsed (its call id aside, which the renderer never shows).
     _script([*first, calling, {"role": "user", "content": "And?"}], ANSWER)
     monkeypatch.setattr("sys.stdin", io.StringIO("Weather in Paris?\nAnd?\n/exit\n"))
-    args = argparse.Namespace(system="Be terse.", max_new_tokens=300, temperature=0.0, top_p=1.0, top_k=0, seed=0)
-    assert _chat_loop(engine, TEMPLATE, args) == 0
+    assert chat_loop(engine, TEMPLATE, system="Be terse.", max_new_tokens=300, temperature=0.0, top_p=1.0) == 0
     out = capsys.readouterr().out
     assert "k3> [thinking] Ask the weather tool.\n" in out
     assert '[tool call] get_weather({"city": "Paris"})' in out
     assert "k3> [thinking] It said sun.\nSunny in Paris. Bye.\n" in out
+
+
+def test_k3_chat_without_thinking_and_a_clear_message_when_thinking_is_cut(scripted, monkeypatch, capsys):
+    """`k3 chat --no-thinking` renders each turn with the think channel off (the prompt the server renders for
+    chat_template_kwargs thinking false) and reads the answer from the response channel; with thinking on, an answer
+    that reaches --max-new-tokens inside its reasoning is said plainly, naming both ways out."""
+    import io
+
+    from openk3.cli import main
+    from openk3.serve.chat_repl import chat_loop
+
+    engine = make_engine(MODEL, **OPTIONS)
+    engine.tokenizer = TOKENIZER
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = _script(user, {"role": "assistant", "content": "Sunny."}, thinking=False)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Weather in Paris?\n"))
+    assert chat_loop(engine, TEMPLATE, max_new_tokens=300, temperature=0.0, thinking=False) == 0
+    assert SAMPLER.prompts[-1] == prompt
+    out, err = capsys.readouterr()
+    assert "k3> Sunny.\n" in out and "[thinking]" not in out and "malformed" not in err
+
+    _script(user, {"role": "assistant", "reasoning_content": "A long thought " * 20, "content": "Sunny."})
+    monkeypatch.setattr("sys.stdin", io.StringIO("Weather in Paris?\n"))
+    assert chat_loop(engine, TEMPLATE, max_new_tokens=5, temperature=0.0) == 0
+    out, err = capsys.readouterr()
+    assert "k3> [thinking] " in out
+    assert "reached --max-new-tokens (5) while still thinking" in err and "--no-thinking" in err
+    assert "malformed" not in err
+    with pytest.raises(SystemExit):
+        main(["chat", "--help"])
+    assert "--no-thinking" in capsys.readouterr().out
 
 
 def test_llm_chat_with_a_plain_format(scripted):

@@ -435,8 +435,9 @@ def run_benchmark(name: str, argv: list[str]) -> int:
     path = os.path.join(BENCHMARKS_DIR, name + ".py")
     if not os.path.isfile(path):
         if not os.path.isdir(BENCHMARKS_DIR):
-            raise FileNotFoundError(f"k3 bench {name}: {path} not found; the benchmarks are in the source checkout, "
-                                    "not in the installed package (clone the repository and `pip install -e .`)")  # fmt: skip
+            raise FileNotFoundError(f"k3 bench {name}: {path} not found; the benchmarks are in the source "
+                                    "checkout, not in the installed package (clone the repository and "
+                                    "`pip install -e .`)")  # fmt: skip
         raise ValueError(f"k3 bench: no benchmark {name!r}; {BENCHMARKS_DIR} has {', '.join(benchmark_names())}")
     return subprocess.call([sys.executable, path, *argv])
 
@@ -489,7 +490,8 @@ def _sandbox_command(args) -> int:
 
     sock, command = args.socket, args.sandbox_command
     if command == "serve":
-        limits = {k: getattr(args, k) for k in ("memory_mb", "cpus", "max_pids", "disk_mb") if getattr(args, k) is not None}
+        limits = {k: getattr(args, k) for k in ("memory_mb", "cpus", "max_pids", "disk_mb")
+                  if getattr(args, k) is not None}  # fmt: skip
         return client.serve_fleet(sock, args.max_sandboxes, args.warm, args.idle_timeout, args.image, **limits)
     if command == "exec":
         return client.exec_command(sock, args.id, args.cmd, args.timeout, sys.stdin.read() if args.stdin else None)
@@ -603,6 +605,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 parser_class=functools.partial(argparse.ArgumentParser,
                                                                formatter_class=_DefaultsHelpFormatter))  # fmt: skip
 
+    _add_model_commands(sub)
+    _add_training_commands(sub)
+    _add_serving_commands(sub)
+    _add_sandbox_parser(sub)
+    return parser
+
+
+def _add_model_commands(sub) -> None:
+    """init, generate, info, demo."""
     p = sub.add_parser("init", help="write a random checkpoint (config.json + safetensors) for testing")
     p.add_argument("--preset", choices=TEXT_PRESETS, default="tiny")
     p.add_argument("--out", required=True)
@@ -628,6 +639,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     p.set_defaults(func=cmd_demo)
 
+
+def _add_training_commands(sub) -> None:
+    """train, rl, distill (each --nproc: torchrun), plot, export, tokenizer train."""
     p = sub.add_parser("train", help="train a K3 model (resumable; --nproc N runs N processes with torchrun)")
     add_train_arguments(p)
     p.add_argument("--nproc", type=int, default=1, help="processes on this machine (launches torchrun)")
@@ -671,6 +685,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True)
     t.set_defaults(func=cmd_tokenizer_train)
 
+
+def _add_serving_commands(sub) -> None:
+    """plan, serve, chat, bench."""
     p = sub.add_parser("plan", help="hybrid-cache memory per token and per request, crossover vs all-MLA")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--ckpt")
@@ -684,56 +701,66 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, help_text in (("serve", "the OpenAI-compatible HTTP server"), ("chat", "an interactive terminal chat")):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--ckpt", required=True, help="a checkpoint folder or a training run folder")
-        p.add_argument("--dtype", type=str.lower, choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
-        p.add_argument("--max-model-len", type=int, default=None)
-        p.add_argument("--max-num-seqs", type=int, default=16)
-        p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-        p.add_argument("--no-prefix-caching", action="store_true")
-        p.add_argument("--speculative", choices=["ngram", "draft_model"])
-        p.add_argument("--num-speculative-tokens", type=int, default=4)
-        p.add_argument("--draft-ckpt")
-        p.add_argument("--template-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                       help="seconds a checkpoint's chat template may render before it is stopped")  # fmt: skip
-        _add_threads(p)
+        _add_engine_flags(p)
         if name == "serve":
-            p.add_argument("--host", default="127.0.0.1")
-            p.add_argument("--port", type=int, default=8000)
-            p.add_argument("--model-name", default=None, help="the id clients use (default: the folder name)")
-            p.add_argument("--max-waiting", type=int, default=256,
-                           help="queued sequences (a request counts n) before 429")  # fmt: skip
-            p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                           help="request bodies larger than this get 413")  # fmt: skip
-            p.add_argument("--preprocess-timeout", type=float, default=DEFAULT_PREPROCESS_TIMEOUT_S,
-                           help="seconds to tokenize and template a prompt before the request fails")  # fmt: skip
-            p.add_argument("--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES_PER_REQUEST,
-                           help="image content parts one chat request may carry (more get 400)")  # fmt: skip
-            p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
-                           help="width x height of one image, read from its header (larger images get 400)")  # fmt: skip
-            p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                           help="on SIGTERM, seconds running requests may finish before they are failed")  # fmt: skip
-            p.set_defaults(func=cmd_serve)
+            _add_server_flags(p)
         else:
-            p.add_argument("--system", default=None, help="a system message")
-            p.add_argument("--max-new-tokens", type=int, default=256)
-            p.add_argument("--temperature", type=float, default=0.7)
-            p.add_argument("--top-p", type=float, default=0.95)
-            p.add_argument("--top-k", type=int, default=0)
-            p.add_argument("--seed", type=int, default=0)
-            p.add_argument("--no-thinking", action="store_true",
-                           help="answer without thinking (K3's chat format: the think channel off, as the server's "
-                           "chat_template_kwargs thinking false)")  # fmt: skip
-            p.add_argument("--show-template", action="store_true", help="print the chat template and exit")
-            p.set_defaults(func=cmd_chat)
+            _add_chat_flags(p)
 
     names = ", ".join(benchmark_names()) or "none: no benchmarks/ folder beside the package"
-    p = sub.add_parser("bench", help=f"the source checkout's benchmarks/NAME.py ({names})")
+    p = sub.add_parser("bench", help="run the source checkout's benchmarks/NAME.py (`k3 bench -h` lists them)")
     p.add_argument("which", metavar="NAME", help=f"a script of the checkout's benchmarks/ ({names})")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     p.set_defaults(func=cmd_bench)
 
-    _add_sandbox_parser(sub)
-    return parser
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The model and engine flags of serve and chat."""
+    p.add_argument("--ckpt", required=True, help="a checkpoint folder or a training run folder")
+    p.add_argument("--dtype", type=str.lower, choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--speculative", choices=["ngram", "draft_model"])
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--draft-ckpt")
+    p.add_argument("--template-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds a checkpoint's chat template may render before it is stopped")  # fmt: skip
+    _add_threads(p)
+
+
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None, help="the id clients use (default: the folder name)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="queued sequences (a request counts n) before 429")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="request bodies larger than this get 413")  # fmt: skip
+    p.add_argument("--preprocess-timeout", type=float, default=DEFAULT_PREPROCESS_TIMEOUT_S,
+                   help="seconds to tokenize and template a prompt before the request fails")  # fmt: skip
+    p.add_argument("--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES_PER_REQUEST,
+                   help="image content parts one chat request may carry (more get 400)")  # fmt: skip
+    p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help="width x height of one image, read from its header (larger images get 400)")  # fmt: skip
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM, seconds running requests may finish before they are failed")  # fmt: skip
+    p.set_defaults(func=cmd_serve)
+
+
+def _add_chat_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-thinking", action="store_true",
+                   help="answer without thinking (K3's chat format: the think channel off, as the server's "
+                   "chat_template_kwargs thinking false)")  # fmt: skip
+    p.add_argument("--show-template", action="store_true", help="print the chat template and exit")
+    p.set_defaults(func=cmd_chat)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) on top of `AsyncLLM`.
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) on top of `AsyncLLM`. `build_app` wires each route to its
+handler (serving_completion.py, serving_chat.py, serving_models.py, serving_health.py), which does the work without
+HTTP; this module adds the body limit and OpenAI's error JSON.
 
     GET  /v1/models            the served model
     POST /v1/completions       text completion (prompt: text or token ids), streaming or not
@@ -18,10 +20,11 @@ Chat in K3's XTML format (`template.supports_tools`) renders the messages as Ope
 reasoning_content) with `tools`, `tool_choice`, `response_format`, `reasoning_effort` and `chat_template_kwargs`
 (protocol.py says how each maps), and parses each sample's output ids, not its text (which skips the markers), into
 `reasoning_content`, `content` and `tool_calls` (`finish_reason` "tool_calls" when a sample ended with calls;
-`usage.completion_tokens_details.reasoning_tokens`); what the parser finds malformed is logged and its text kept in
-`content`. A stream sends separate chunks for reasoning, content and each tool call's name/id and argument pieces.
-User stop strings end a sample where they appear (markers skipped) and cut `reasoning_content` and `content` at
-their first occurrence. A plain or Jinja format refuses what needs XTML with a 400 naming the field.
+`usage.completion_tokens_details.reasoning_tokens`; `reasoning_content` absent when there is none); what the parser
+finds malformed is logged and its text kept in `content`. A stream sends separate chunks for reasoning, content and
+each tool call's name/id and argument pieces. User stop strings end a sample where they appear (markers skipped) and
+cut `reasoning_content` and `content` at their first occurrence. A plain or Jinja format refuses what needs XTML
+with a 400 naming the field.
 
 Images (a vision checkpoint, K3's XTML format): user content parts `image_url` / `image` holding a data URL
 (`data:image/png;base64,...`). The server fetches nothing: any other URL is a 400 saying that only data URLs are

@@ -21,7 +21,8 @@ from openk3.serve.streaming import TextStream
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, llm, models, template, preprocess=None, max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST,
+    def __init__(self, llm, models, template, preprocess=None,
+                 max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST,
                  max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, **options):  # fmt: skip
         super().__init__(llm, models, preprocess, **options)
         self.template = template

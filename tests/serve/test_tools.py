@@ -1,4 +1,4 @@
-"""Tool calling and reasoning through the OpenAI surface with K3's XTML chat format (spec/serving.md §6).
+"""Tool calling and reasoning through the OpenAI surface with K3's XTML chat format (docs/serving.md).
 
 A tiny random model is forced to write scripted XTML answers (`ScriptedSampler` replaces the engine's sampling: the
 next id of the script registered for the request's prompt ids), so every test knows the exact output ids. Through the

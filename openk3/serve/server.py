@@ -58,13 +58,14 @@ from openk3.serve.config import (
     DEFAULT_PREPROCESS_TIMEOUT_S,
 )  # fmt: skip
 from openk3.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body, validation_message
-from openk3.serve.serving import PREPROCESS_THREADS, APIError, json_text, log
+from openk3.serve.serving import DISCONNECT_POLL_S, PREPROCESS_THREADS, APIError, json_text, log
 from openk3.serve.serving_chat import OpenAIServingChat
 from openk3.serve.serving_completion import OpenAIServingCompletion
 from openk3.serve.serving_health import OpenAIServingHealth
 from openk3.serve.serving_models import OpenAIServingModels
 
-__all__ = ["APIError", "BodyLimit", "SafeJSONResponse", "build_app"]
+# DISCONNECT_POLL_S and PREPROCESS_THREADS are defined in serving.py; exported here too, where they used to be.
+__all__ = ["DISCONNECT_POLL_S", "PREPROCESS_THREADS", "APIError", "BodyLimit", "SafeJSONResponse", "build_app"]
 
 
 class SafeJSONResponse(JSONResponse):

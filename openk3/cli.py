@@ -11,9 +11,9 @@
     k3 export --ckpt DIR --format gguf --out FILE        ... or as a llama.cpp kimi-k3 GGUF (--outtype f32|bf16)
     k3 tokenizer train --out DIR [--data PATH]           a byte-level BPE for a preset's vocabulary
     k3 serve --ckpt DIR [--host H] [--port P]             OpenAI-compatible server (/v1/completions, /v1/chat/...)
-    k3 chat --ckpt DIR                                   interactive terminal chat with streaming
+    k3 chat --ckpt DIR [--no-thinking]                   interactive terminal chat with streaming
     k3 plan (--ckpt DIR | --preset NAME) [...]           hybrid-cache bytes per token and request vs all-MLA
-    k3 bench (kda|serve|ep|sandbox|cpu) [...]            the checkout's benchmarks/NAME.py (`k3 bench kda --help`)
+    k3 bench NAME [...]                                  the checkout's benchmarks/NAME.py, run as a script (`--help`)
     k3 sandbox serve [--socket PATH] [...]               a sandbox fleet behind a Unix socket (owns the sandboxes)
     k3 sandbox (create|exec|snapshot|restore|fork|ls|rm) [...]   talk to it; `k3 sandbox bench` measures the backend
 """
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import os
 import sys
@@ -46,7 +45,7 @@ from openk3.serve.config import (
     DTYPE_CHOICES,
 )
 from openk3.train.flags import add_train_arguments, config_from_args
-from openk3.utils import pick_threads, set_threads, to_dtype
+from openk3.utils import set_threads, to_dtype
 
 DTYPE_HELP = ("as vLLM: auto (the config's dtype, float32 served as bfloat16), bfloat16, float32/float, "
               "float16/half; default: as stored")  # fmt: skip
@@ -208,10 +207,14 @@ def cmd_chat(args) -> int:
         print(f"{template.name}:\n{template.source}")
         template.close()
         return 0
+    from openk3.serve.chat_repl import chat_loop
+
     _print_threads(args)
     engine, template, _ = _engine_from_args(args)
     try:
-        return _chat_loop(engine, template, args)
+        return chat_loop(engine, template, system=args.system, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                         thinking=not args.no_thinking)  # fmt: skip
     except KeyboardInterrupt:  # Ctrl-C: leave like /exit, without a traceback
         print("\nk3 chat: interrupted", file=sys.stderr)
         return 130
@@ -230,89 +233,19 @@ def _template_of(ckpt: str, timeout_s: float):
     return load_chat_template(folder, tok, SandboxedRenderer(timeout_s=timeout_s))
 
 
-def _chat_loop(engine, template, args) -> int:
-    """The chat REPL. With K3's XTML format the history is OpenAI message dicts and each answer is parsed: reasoning
-    printed dimmed after `[thinking]`, then the content, then any tool calls (printed, not executed); a plain or
-    Jinja format streams the answer's text."""
-    from openk3.data.chat import Message
-    from openk3.serve.request import SamplingParams
+def _config_of(args) -> tuple[K3Config, str | None]:
+    """The config of --ckpt and its folder (a checkpoint, or a training run: its newest good checkpoint, as serve,
+    chat, generate and export read it), or of --preset (no folder)."""
+    from openk3.train.checkpoint import resolve_checkpoint
 
-    xtml = template.supports_tools
-
-    def message(role: str, text: str):
-        return {"role": role, "content": text} if xtml else Message(role, text)
-
-    history = [message("system", args.system)] if args.system else []
-    turn = 0
-    print("k3 chat: type a message; /reset clears the conversation, /exit quits", file=sys.stderr)
-    while True:
-        try:
-            line = input("you> ")
-        except EOFError:
-            print()
-            return 0
-        if line.strip() in ("/exit", "/quit"):
-            return 0
-        if line.strip() == "/reset":
-            history = history[:1] if args.system else []
-            continue
-        if not line.strip():
-            continue
-        history.append(message("user", line))
-        params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed + turn, stop=template.stop)  # fmt: skip
-        engine.add_request({"prompt_token_ids": template.encode(history)}, params, request_id=f"turn{turn}")
-        print("k3> ", end="", flush=True)
-        reply = _print_xtml_answer(engine, template, params) if xtml else _print_text_answer(engine, params)
-        engine.release_finished(f"turn{turn}")
-        history.append(reply if xtml else Message("assistant", reply))
-        turn += 1
-
-
-def _print_text_answer(engine, params) -> str:
-    """Stream the running request's text to stdout; returns it."""
-    from openk3.serve.streaming import TextDelta
-
-    delta, text = TextDelta(params.stop), ""
-    while engine.has_unfinished():
-        for out in engine.step():
-            sample = out.outputs[0]
-            text = sample.text
-            print(delta.update(text, sample.finish_reason is not None), end="", flush=True)
-    print()
-    return text
-
-
-def _print_xtml_answer(engine, template, params) -> dict:
-    """Stream the running request's parsed answer to stdout (reasoning dimmed, then content, then tool calls);
-    returns the assistant message."""
-    from openk3.serve.chat_answer import ChatAnswer
-
-    dim, plain = ("\x1b[2m", "\x1b[0m") if sys.stdout.isatty() else ("", "")
-    answer, channel = ChatAnswer(template.parser(), params.stop), None
-    while engine.has_unfinished():
-        for out in engine.step():
-            sample = out.outputs[0]
-            for delta in answer.update(sample.token_ids, sample.finish_reason is not None):
-                key = next(iter(delta))
-                if key == "tool_calls":
-                    continue  # printed whole below
-                if key != channel:  # a new channel starts on its own line
-                    lead = plain + ("\n" if channel is not None else "")
-                    print(lead + (f"{dim}[thinking] " if key == "reasoning_content" else ""), end="")
-                    channel = key
-                print(delta[key], end="", flush=True)
-    print(plain)
-    message = answer.message()
-    for call in message.get("tool_calls", []):
-        print(f"[tool call] {call['function']['name']}({call['function']['arguments']})  (not executed)")
-    if answer.problems:
-        print(f"k3 chat: malformed answer: {'; '.join(answer.problems)}", file=sys.stderr)
-    return message
+    if not args.ckpt:
+        return K3Config.preset(args.preset), None
+    folder = resolve_checkpoint(args.ckpt)
+    return K3Config.from_pretrained(folder), folder
 
 
 def cmd_info(args) -> int:
-    config = K3Config.from_pretrained(args.ckpt) if args.ckpt else K3Config.preset(args.preset)
+    config, folder = _config_of(args)
     text = config.text_config
     with torch.device("meta"):
         model = K3ForCausalLM(config)
@@ -323,7 +256,7 @@ def cmd_info(args) -> int:
     print(f"experts     {text.num_experts} routed (top-{text.num_experts_per_token}) in a {text.routed_expert_hidden_size}"
           f"-wide latent + {text.num_shared_experts} shared")  # fmt: skip
     print(f"parameters  total {total:,} ({_fmt(total)}), active per token {active:,} ({_fmt(active)})")
-    _print_cpu(args.ckpt)
+    _print_cpu(folder)
     return 0
 
 
@@ -363,10 +296,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_train(args) -> int:
+    from openk3.parallel.launch import launch_torchrun
     from openk3.train.trainer import NonFiniteError, Trainer
 
     if args.nproc > 1:
-        return _launch_torchrun(args.nproc, args.argv)
+        return launch_torchrun(args.nproc, args.argv)
     cfg = config_from_args(args)
     print(f"k3 train: {set_threads(cfg.threads)}", file=sys.stderr)
     try:
@@ -386,33 +320,12 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _launch_torchrun(nproc: int, argv: list[str], command: str = "train", module: str = "openk3.train",
-                     module_args: list[str] = ()) -> int:  # fmt: skip
-    """`k3 train --nproc N ...` = `torchrun --standalone --nproc-per-node N -m openk3.train ...` (same flags); `k3 rl`
-    likewise with `-m openk3.rl`, `k3 distill` with `-m openk3.rl distill`."""
-    import subprocess
-
-    argv = argv[argv.index(command) + 1 :]
-    rest, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            rest.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", module, *module_args, *rest]  # fmt: skip
-    # torchrun would set OMP_NUM_THREADS=1 per process; the processes share the cores instead (--threads still wins).
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(pick_threads(None, nproc)[0])}
-    return subprocess.call(cmd, env=env)
-
-
 def cmd_rl(args) -> int:
+    from openk3.parallel.launch import launch_torchrun
     from openk3.rl.__main__ import run
 
     if args.nproc > 1:
-        return _launch_torchrun(args.nproc, args.argv, command="rl", module="openk3.rl")
+        return launch_torchrun(args.nproc, args.argv, command="rl", module="openk3.rl")
     try:
         cfg = config_from_args(args, RLConfig, "rl_config.json", "k3 rl")
         run(cfg)
@@ -423,10 +336,11 @@ def cmd_rl(args) -> int:
 
 
 def cmd_distill(args) -> int:
+    from openk3.parallel.launch import launch_torchrun
     from openk3.rl.__main__ import run
 
     if args.nproc > 1:
-        return _launch_torchrun(args.nproc, args.argv, command="distill", module="openk3.rl", module_args=["distill"])
+        return launch_torchrun(args.nproc, args.argv, command="distill", module="openk3.rl", module_args=["distill"])
     try:
         cfg = config_from_args(args, DistillConfig, DISTILL_CONFIG_FILE, "k3 distill")
         run(cfg)
@@ -452,8 +366,7 @@ def cmd_plot(args) -> int:
 
 
 def cmd_export(args) -> int:
-    import shutil
-
+    from openk3.export import export_gguf, export_release
     from openk3.train.checkpoint import load_model
 
     if args.format == "safetensors" and args.outtype is not None:
@@ -465,19 +378,13 @@ def cmd_export(args) -> int:
     # A training checkpoint (or a run: its newest good one) is read here, offline, in this one process.
     model, ckpt = load_model(args.ckpt)
     if args.format == "gguf":
-        from openk3.export import export_gguf
-
         outtype = args.outtype or "f32"
         export_gguf(model, load_tokenizer(ckpt, model.text_config), args.out, outtype=outtype,
                     name=os.path.basename(os.path.normpath(ckpt)))  # fmt: skip
         print(f"exported {ckpt} to {args.out} (llama.cpp kimi-k3 GGUF, {outtype})")
         return 0
     dtype = args.dtype or "bfloat16"
-    model.to_dtype(to_dtype(dtype))
-    model.save_pretrained(args.out, max_shard_size=args.max_shard_size)
-    for name in ("tokenizer.json", "tokenizer_config.json", "tiktoken.model"):
-        if os.path.exists(os.path.join(ckpt, name)):
-            shutil.copy(os.path.join(ckpt, name), args.out)
+    export_release(model, ckpt, args.out, dtype, args.max_shard_size)
     print(f"exported {ckpt} to {args.out} ({dtype} with the release's fp32 tensors)")
     return 0
 
@@ -495,22 +402,54 @@ def cmd_tokenizer_train(args) -> int:
 def cmd_plan(args) -> int:
     from openk3.serve.plan import cache_plan, format_plan
 
-    config = K3Config.from_pretrained(args.ckpt) if args.ckpt else K3Config.preset(args.preset)
+    config = _config_of(args)[0]
     plan = cache_plan(config.text_config, act_bytes={"bf16": 2, "fp32": 4}[args.dtype], tp=args.tp)
     print(format_plan(plan, args.context, args.batch))
     return 0
 
 
 # The benchmarks live in the checkout beside the package (benchmarks/NAME.py), not in the installed package.
-BENCHMARKS = ("kda", "serve", "ep", "sandbox", "rl", "distill", "vision", "cpu")
 BENCHMARKS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
-def load_benchmark(name: str):
-    """The module benchmarks/NAME.py of this checkout, imported with its folder on sys.path (benchmarks import their
-    siblings, e.g. `from report import write_report`, as `python benchmarks/NAME.py` lets them)."""
-    import importlib
+def benchmark_names(folder: str | None = None) -> list[str]:
+    """The scripts of the checkout's benchmarks/ (files that run as `python benchmarks/NAME.py`, not the helpers
+    they import); none when the folder is absent (an installed package)."""
+    folder = folder or BENCHMARKS_DIR
+    if not os.path.isdir(folder):
+        return []
+    names = []
+    for file in sorted(os.listdir(folder)):
+        if file.endswith(".py") and not file.startswith("_"):
+            with open(os.path.join(folder, file), encoding="utf-8") as f:
+                if 'if __name__ == "__main__":' in f.read():
+                    names.append(file[: -len(".py")])
+    return names
 
+
+def run_benchmark(name: str, argv: list[str]) -> int:
+    """Run the checkout's benchmarks/NAME.py as a script in a child Python (`python benchmarks/NAME.py ARGV`, so its
+    folder is its import path and ours is untouched); returns its exit code."""
+    import subprocess
+
+    path = os.path.join(BENCHMARKS_DIR, name + ".py")
+    if not os.path.isfile(path):
+        if not os.path.isdir(BENCHMARKS_DIR):
+            raise FileNotFoundError(f"k3 bench {name}: {path} not found; the benchmarks are in the source "
+                                    "checkout, not in the installed package (clone the repository and "
+                                    "`pip install -e .`)")  # fmt: skip
+        raise ValueError(f"k3 bench: no benchmark {name!r}; {BENCHMARKS_DIR} has {', '.join(benchmark_names())}")
+    return subprocess.call([sys.executable, path, *argv])
+
+
+def load_benchmark(name: str):
+    """Deprecated: `k3 bench` runs a benchmark as a script (`run_benchmark`) now. The module benchmarks/NAME.py,
+    imported with its folder put on sys.path."""
+    import importlib
+    import warnings
+
+    warnings.warn("openk3.cli.load_benchmark is deprecated; use run_benchmark(name, argv)", DeprecationWarning,
+                  stacklevel=2)  # fmt: skip
     path = os.path.join(BENCHMARKS_DIR, name + ".py")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"k3 bench {name}: {path} not found; the benchmarks are in the source checkout, not "
@@ -521,7 +460,7 @@ def load_benchmark(name: str):
 
 
 def cmd_bench(args) -> int:
-    return load_benchmark(args.which).main(args.rest)
+    return run_benchmark(args.which, args.rest)
 
 
 SANDBOX_HELP = """Isolated sandboxes for agents (openk3.sandbox). A sandbox is a process tree owned by the process that
@@ -531,95 +470,39 @@ rm talk to it and exit. Nothing starts a server implicitly. `k3 sandbox bench` n
 
 
 def cmd_sandbox(args) -> int:
-    """`k3 sandbox SUBCOMMAND`: serve runs the fleet; the others are one request each to it."""
+    """`k3 sandbox SUBCOMMAND`: serve runs the fleet; the others are one request each to it (sandbox/fleet_client.py);
+    bench runs benchmarks/sandbox.py."""
     from openk3.sandbox.base import SandboxError
     from openk3.sandbox.fleet_server import default_socket
 
-    if args.sandbox_command != "bench":
-        args.socket = args.socket or default_socket()
+    if args.sandbox_command == "bench":
+        return run_benchmark("sandbox", args.rest)
+    args.socket = args.socket or default_socket()
     try:
-        return _SANDBOX_COMMANDS[args.sandbox_command](args)
+        return _sandbox_command(args)
     except (SandboxError, ConnectionError) as err:
         print(f"k3 sandbox {args.sandbox_command}: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
 
 
-def _sandbox_serve(args) -> int:
-    import signal
-    import threading
+def _sandbox_command(args) -> int:
+    from openk3.sandbox import fleet_client as client
 
-    from openk3.sandbox.fleet import Fleet
-    from openk3.sandbox.fleet_server import serve
-
-    limits = {k: getattr(args, k) for k in ("memory_mb", "cpus", "max_pids", "disk_mb") if getattr(args, k) is not None}
-    fleet = Fleet(max_sandboxes=args.max_sandboxes, base_image=args.image, warm=args.warm,
-                  idle_timeout_s=args.idle_timeout, **limits)  # fmt: skip
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    print(f"k3 sandbox serve: listening on {args.socket} (max {args.max_sandboxes} sandboxes, {args.warm} warm, "
-          f"idle ones closed after {args.idle_timeout:g} s); Ctrl-C closes every sandbox", file=sys.stderr)  # fmt: skip
-    serve(fleet, args.socket, stop)
-    return 0
-
-
-def _sandbox_request(args, op: str, **kwargs):
-    from openk3.sandbox.fleet_server import request
-
-    return request(args.socket, op, **kwargs)
-
-
-def _sandbox_exec(args) -> int:
-    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    if not cmd:
-        raise ValueError("k3 sandbox exec: no command (k3 sandbox exec ID -- CMD [ARG ...])")
-    stdin = sys.stdin.read() if args.stdin else None
-    r = _sandbox_request(args, "exec", timeout=args.timeout + 60, id=args.id, cmd=cmd, stdin=stdin)
-    sys.stdout.write(r["stdout"])
-    sys.stderr.write(r["stderr"])
-    if r["timed_out"] or r["limit"] or r["truncated"]:
-        print(f"k3 sandbox exec: exit {r['exit_code']}, limit hit: {r['limit']}, output truncated: {r['truncated']}",
-              file=sys.stderr)  # fmt: skip
-    return r["exit_code"]
-
-
-def _sandbox_ls(args) -> int:
-    if args.metrics:
-        sys.stdout.write(_sandbox_request(args, "metrics"))
-        return 0
-    listing = _sandbox_request(args, "ls")
-    if args.json:
-        print(json.dumps(listing, indent=1))
-        return 0
-    print(f"{'SANDBOX':24} {'STATE':8} {'IDLE s':>7} {'LAYERS':>6} {'MEMORY MiB':>10} {'DISK MiB':>9} {'PIDS':>5}")
-    for r in listing["sandboxes"]:
-        print(f"{r['id']:24} {r['state']:8} {r['idle_s']:>7} {r['layers']:>6} {r['memory_bytes'] / 2**20:>10.1f} "
-              f"{r['disk_bytes'] / 2**20:>9.1f} {r['pids']:>5}")  # fmt: skip
-    for ref in listing["snapshots"]:
-        print(f"snapshot {ref['id']} ({len(ref['layers'])} layers, node {ref['node']})")
-    s = listing["stats"]
-    print(f"{s['live']} live ({s['paused']} paused), {s['warm']} warm of {s['max_sandboxes']}; {s['layers']} layers, "
-          f"{s['layer_bytes'] / 2**20:.1f} MiB")  # fmt: skip
-    return 0
-
-
-def _sandbox_rm(args) -> int:
-    r = _sandbox_request(args, "rm", ids=args.ids)
-    print(f"removed {' '.join(r['removed'])}; deleted {len(r['layers_deleted'])} unused layers")
-    return 0
-
-
-_SANDBOX_COMMANDS = {
-    "serve": _sandbox_serve,
-    "create": lambda args: print(_sandbox_request(args, "create")["id"]) or 0,
-    "exec": _sandbox_exec,
-    "snapshot": lambda args: print(_sandbox_request(args, "snapshot", id=args.id, stop=args.stop_processes)["id"]) or 0,
-    "restore": lambda args: _sandbox_request(args, "restore", id=args.id, snapshot=args.snapshot) or 0,
-    "fork": lambda args: print("\n".join(_sandbox_request(args, "fork", source=args.source, n=args.n)["ids"])) or 0,
-    "ls": _sandbox_ls,
-    "rm": _sandbox_rm,
-    "bench": lambda args: load_benchmark("sandbox").main(args.rest),
-}
+    sock, command = args.socket, args.sandbox_command
+    if command == "serve":
+        limits = {k: getattr(args, k) for k in ("memory_mb", "cpus", "max_pids", "disk_mb")
+                  if getattr(args, k) is not None}  # fmt: skip
+        return client.serve_fleet(sock, args.max_sandboxes, args.warm, args.idle_timeout, args.image, **limits)
+    if command == "exec":
+        return client.exec_command(sock, args.id, args.cmd, args.timeout, sys.stdin.read() if args.stdin else None)
+    return {
+        "create": lambda: client.create(sock),
+        "snapshot": lambda: client.snapshot(sock, args.id, args.stop_processes),
+        "restore": lambda: client.restore(sock, args.id, args.snapshot),
+        "fork": lambda: client.fork(sock, args.source, args.n),
+        "ls": lambda: client.ls(sock, args.json, args.metrics),
+        "rm": lambda: client.rm(sock, args.ids),
+    }[command]()
 
 
 def _add_sandbox_parser(sub) -> None:
@@ -722,6 +605,15 @@ def build_parser() -> argparse.ArgumentParser:
                                 parser_class=functools.partial(argparse.ArgumentParser,
                                                                formatter_class=_DefaultsHelpFormatter))  # fmt: skip
 
+    _add_model_commands(sub)
+    _add_training_commands(sub)
+    _add_serving_commands(sub)
+    _add_sandbox_parser(sub)
+    return parser
+
+
+def _add_model_commands(sub) -> None:
+    """init, generate, info, demo."""
     p = sub.add_parser("init", help="write a random checkpoint (config.json + safetensors) for testing")
     p.add_argument("--preset", choices=TEXT_PRESETS, default="tiny")
     p.add_argument("--out", required=True)
@@ -747,6 +639,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p)
     p.set_defaults(func=cmd_demo)
 
+
+def _add_training_commands(sub) -> None:
+    """train, rl, distill (each --nproc: torchrun), plot, export, tokenizer train."""
     p = sub.add_parser("train", help="train a K3 model (resumable; --nproc N runs N processes with torchrun)")
     add_train_arguments(p)
     p.add_argument("--nproc", type=int, default=1, help="processes on this machine (launches torchrun)")
@@ -790,6 +685,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True)
     t.set_defaults(func=cmd_tokenizer_train)
 
+
+def _add_serving_commands(sub) -> None:
+    """plan, serve, chat, bench."""
     p = sub.add_parser("plan", help="hybrid-cache memory per token and per request, crossover vs all-MLA")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--ckpt")
@@ -803,52 +701,66 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, help_text in (("serve", "the OpenAI-compatible HTTP server"), ("chat", "an interactive terminal chat")):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--ckpt", required=True, help="a checkpoint folder or a training run folder")
-        p.add_argument("--dtype", type=str.lower, choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
-        p.add_argument("--max-model-len", type=int, default=None)
-        p.add_argument("--max-num-seqs", type=int, default=16)
-        p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-        p.add_argument("--no-prefix-caching", action="store_true")
-        p.add_argument("--speculative", choices=["ngram", "draft_model"])
-        p.add_argument("--num-speculative-tokens", type=int, default=4)
-        p.add_argument("--draft-ckpt")
-        p.add_argument("--template-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                       help="seconds a checkpoint's chat template may render before it is stopped")  # fmt: skip
-        _add_threads(p)
+        _add_engine_flags(p)
         if name == "serve":
-            p.add_argument("--host", default="127.0.0.1")
-            p.add_argument("--port", type=int, default=8000)
-            p.add_argument("--model-name", default=None, help="the id clients use (default: the folder name)")
-            p.add_argument("--max-waiting", type=int, default=256,
-                           help="queued sequences (a request counts n) before 429")  # fmt: skip
-            p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                           help="request bodies larger than this get 413")  # fmt: skip
-            p.add_argument("--preprocess-timeout", type=float, default=DEFAULT_PREPROCESS_TIMEOUT_S,
-                           help="seconds to tokenize and template a prompt before the request fails")  # fmt: skip
-            p.add_argument("--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES_PER_REQUEST,
-                           help="image content parts one chat request may carry (more get 400)")  # fmt: skip
-            p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
-                           help="width x height of one image, read from its header (larger images get 400)")  # fmt: skip
-            p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                           help="on SIGTERM, seconds running requests may finish before they are failed")  # fmt: skip
-            p.set_defaults(func=cmd_serve)
+            _add_server_flags(p)
         else:
-            p.add_argument("--system", default=None, help="a system message")
-            p.add_argument("--max-new-tokens", type=int, default=256)
-            p.add_argument("--temperature", type=float, default=0.7)
-            p.add_argument("--top-p", type=float, default=0.95)
-            p.add_argument("--top-k", type=int, default=0)
-            p.add_argument("--seed", type=int, default=0)
-            p.add_argument("--show-template", action="store_true", help="print the chat template and exit")
-            p.set_defaults(func=cmd_chat)
+            _add_chat_flags(p)
 
-    p = sub.add_parser("bench", help="benchmarks: kda, serve, ep, sandbox, cpu")
-    p.add_argument("which", choices=BENCHMARKS, help="benchmarks/NAME.py of the source checkout")
+    names = ", ".join(benchmark_names()) or "none: no benchmarks/ folder beside the package"
+    p = sub.add_parser("bench", help="run the source checkout's benchmarks/NAME.py (`k3 bench -h` lists them)")
+    p.add_argument("which", metavar="NAME", help=f"a script of the checkout's benchmarks/ ({names})")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     p.set_defaults(func=cmd_bench)
 
-    _add_sandbox_parser(sub)
-    return parser
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The model and engine flags of serve and chat."""
+    p.add_argument("--ckpt", required=True, help="a checkpoint folder or a training run folder")
+    p.add_argument("--dtype", type=str.lower, choices=DTYPE_CHOICES, default=None, help=DTYPE_HELP)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--speculative", choices=["ngram", "draft_model"])
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--draft-ckpt")
+    p.add_argument("--template-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds a checkpoint's chat template may render before it is stopped")  # fmt: skip
+    _add_threads(p)
+
+
+def _add_server_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model-name", default=None, help="the id clients use (default: the folder name)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="queued sequences (a request counts n) before 429")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="request bodies larger than this get 413")  # fmt: skip
+    p.add_argument("--preprocess-timeout", type=float, default=DEFAULT_PREPROCESS_TIMEOUT_S,
+                   help="seconds to tokenize and template a prompt before the request fails")  # fmt: skip
+    p.add_argument("--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES_PER_REQUEST,
+                   help="image content parts one chat request may carry (more get 400)")  # fmt: skip
+    p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                   help="width x height of one image, read from its header (larger images get 400)")  # fmt: skip
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM, seconds running requests may finish before they are failed")  # fmt: skip
+    p.set_defaults(func=cmd_serve)
+
+
+def _add_chat_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", default=None, help="a system message")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-thinking", action="store_true",
+                   help="answer without thinking (K3's chat format: the think channel off, as the server's "
+                   "chat_template_kwargs thinking false)")  # fmt: skip
+    p.add_argument("--show-template", action="store_true", help="print the chat template and exit")
+    p.set_defaults(func=cmd_chat)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,12 +10,11 @@ import sys
 
 import pytest
 import torch
+from fixture_paths import PLAIN
 from safetensors.torch import load_file
 
 from openk3 import K3ForCausalLM
 from openk3.cli import main
-
-from fixture_paths import PLAIN
 
 
 def test_init_writes_nontrivial_checkpoint(tmp_path, capsys):
@@ -55,6 +54,27 @@ def test_generate_and_info(tmp_path, capsys):
     assert "KKKMKKKMM" in capsys.readouterr().out
 
 
+def test_info_and_plan_accept_a_training_run_folder(tmp_path, capsys):
+    """info and plan read a training run as serve, chat, generate and export do: its newest good checkpoint."""
+    from openk3.train.checkpoint import latest_checkpoint
+
+    run = str(tmp_path / "run")
+    assert main(["train", "--preset", "tiny", "--data", "mqar", "--tokenizer", "byte", "--steps", "1", "--batch-size",
+                 "2", "--seq-len", "32", "--eval-every", "1000", "--eval-batches", "1", "--sample-tokens", "0",
+                 "--no-progress", "--out", run]) == 0  # fmt: skip
+    ckpt = latest_checkpoint(run)
+    for command in (["info"], ["plan", "--context", "1024"]):
+        capsys.readouterr()
+        assert main([*command, "--ckpt", ckpt]) == 0
+        want = capsys.readouterr().out
+        assert main([*command, "--ckpt", run]) == 0
+        assert capsys.readouterr().out == want and want
+    assert main(["info", "--ckpt", str(tmp_path / "empty-run")]) == 2  # a missing folder: exit 2, as before
+    os.makedirs(tmp_path / "new-run" / "checkpoints")
+    assert main(["plan", "--ckpt", str(tmp_path / "new-run")]) == 2
+    assert "has no complete checkpoint yet" in capsys.readouterr().err
+
+
 def test_errors_are_clear(tmp_path, capsys):
     assert main(["generate", "--ckpt", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -63,13 +83,34 @@ def test_errors_are_clear(tmp_path, capsys):
 
 def test_bench_without_the_checkout_names_the_path(tmp_path, monkeypatch, capsys):
     """`k3 bench` runs benchmarks/NAME.py of the checkout; an install without it fails clearly, naming the path."""
-    import openk3.cli as cli
+    from openk3 import cli
 
     assert os.path.isfile(os.path.join(cli.BENCHMARKS_DIR, "kda.py"))
     monkeypatch.setattr(cli, "BENCHMARKS_DIR", str(tmp_path / "benchmarks"))
     assert main(["bench", "ep", "--quick"]) == 2
     err = capsys.readouterr().err
     assert str(tmp_path / "benchmarks" / "ep.py") in err and "source checkout" in err
+
+
+def test_bench_runs_the_checkouts_scripts_as_children(tmp_path, monkeypatch, capfd):
+    """The names are the scripts present in benchmarks/ (not the helpers they import); `k3 bench NAME ARGS` runs
+    `python benchmarks/NAME.py ARGS` (its folder first on its import path, ours untouched) and returns its exit code;
+    an unknown name is a clear error listing the names."""
+    from openk3 import cli
+
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    (folder / "helper.py").write_text("WORD = 'from a sibling'\n")
+    (folder / "echo.py").write_text("import sys\nfrom helper import WORD\n\nif __name__ == \"__main__\":\n"
+                                    "    print(WORD, *sys.argv[1:])\n    sys.exit(int(sys.argv[-1]))\n")  # fmt: skip
+    monkeypatch.setattr(cli, "BENCHMARKS_DIR", str(folder))
+    assert cli.benchmark_names() == ["echo"]
+    path = list(sys.path)
+    assert main(["bench", "echo", "--quick", "3"]) == 3
+    assert capfd.readouterr().out == "from a sibling --quick 3\n"
+    assert sys.path == path and "helper" not in sys.modules
+    assert main(["bench", "nope"]) == 2
+    assert "no benchmark 'nope'" in capfd.readouterr().err and "echo" in cli.benchmark_names()
 
 
 def test_train_flags_come_from_train_config(tmp_path, capsys):
@@ -131,6 +172,9 @@ def test_chat_reads_stdin_and_streams_answers(tmp_path, monkeypatch, capsys):
     assert main(["chat", "--ckpt", str(tmp_path), "--max-new-tokens", "4", "--temperature", "0"]) == 0
     out = capsys.readouterr().out
     assert out.count("k3> ") == 2  # two answers; /reset and /exit are commands
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--ckpt", str(tmp_path), "--max-new-tokens", "4", "--no-thinking"]) == 0
+    assert "chat format (openk3-plain) has no thinking to turn off" in capsys.readouterr().err
 
 
 def test_serve_command_answers_http(tmp_path):
@@ -224,7 +268,7 @@ def test_sandbox_commands_against_a_served_fleet(tmp_path, monkeypatch, capsys):
     assert not os.path.exists(sock)
 
 
-def test_sandbox_bench_quick(tmp_path, capsys):
+def test_sandbox_bench_quick(tmp_path, capfd):
     """`k3 sandbox bench --quick` writes the issue's keys (and `k3 bench sandbox` is the same benchmark)."""
     import json
 
@@ -242,6 +286,6 @@ def test_sandbox_bench_quick(tmp_path, capsys):
     assert keys <= set(result) and all(result[k] > 0 for k in keys)
     assert result["idle_sandboxes"] == 8 and len(result["targets"]) == 6
     assert (tmp_path / "sb.md").read_text().startswith("# Sandbox benchmark")
-    with pytest.raises(SystemExit):
-        main(["bench", "sandbox", "--help"])
-    assert "usage: k3 sandbox bench" in capsys.readouterr().out
+    capfd.readouterr()
+    assert main(["bench", "sandbox", "--help"]) == 0  # the benchmark's own --help, printed by the child
+    assert "usage: k3 sandbox bench" in capfd.readouterr().out

@@ -1,5 +1,5 @@
-"""The dependency direction between openk3's packages (ALLOWED below), enforced by walking every import of the
-package with ast."""
+"""The packages' dependency direction (`ALLOWED`: what each package may import), enforced by walking every import of
+the package with ast."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "openk3"
-# benchmarks/ is scripts beside the package: `k3 bench` runs them by path (cli.load_benchmark), nothing imports them.
+# benchmarks/ is scripts beside the package: `k3 bench` runs them as scripts (cli.run_benchmark), nothing imports them.
 BENCHMARKS = {p.stem for p in (ROOT.parent / "benchmarks").glob("*.py")}
 
 # package -> openk3 packages it may import (itself always allowed)
@@ -50,7 +50,7 @@ def test_dependency_direction():
     assert len(files) > 10 and {"kda", "serve", "ep", "report"} <= BENCHMARKS
     for path in files:
         pkg = _package(path)
-        assert pkg in ALLOWED, f"{path}: package {pkg!r} is not in ALLOWED; add it here"
+        assert pkg in ALLOWED, f"{path}: package {pkg!r} is not in ALLOWED; add it with what it may import"
         for mod in _imports(path):
             parts = mod.split(".")
             if parts[0] in BENCHMARKS or parts[0] == "benchmarks":

@@ -28,3 +28,22 @@ class TextDelta:
             return ""
         delta, self.sent = text[self.sent : safe], safe
         return delta
+
+
+class TextStream:
+    """One sample's text chunks (completions, and chat in a plain or Jinja format): the text that no stop string can
+    take back, with the log-probs of the tokens since the last chunk; the last chunk carries the finish reason.
+    `chunk(output, text, start, end, finish)` makes a chunk body; `opening` goes out before the first."""
+
+    def __init__(self, stop: list[str], chunk, opening: dict | None = None):
+        self.delta, self.chunk, self.sent = TextDelta(stop), chunk, 0
+        self.pending = [opening] if opening is not None else []
+
+    def __call__(self, o) -> list[dict]:
+        bodies, self.pending = self.pending, []
+        done = o.finish_reason is not None
+        text = self.delta.update(o.text, done)
+        if text or done:
+            bodies.append(self.chunk(o, text, self.sent, len(o.token_ids), o.finish_reason if done else None))
+            self.sent = len(o.token_ids)
+        return bodies

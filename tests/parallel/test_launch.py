@@ -10,7 +10,6 @@ import os
 import shutil
 
 import pytest
-
 import torch
 
 from openk3.cli import main
@@ -68,3 +67,17 @@ def test_resume_at_another_layout(single, tmp_path, monkeypatch):
         assert [r["step"] for r in rows] == [1, 2]
         for got, want in zip(rows, single):
             assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (resume_layout, got["step"])
+
+
+def test_torchrun_argv_passes_every_flag_but_nproc():
+    """`k3 train|rl|distill --nproc N FLAGS` runs torchrun on the same FLAGS without --nproc (either spelling)."""
+    import sys
+
+    from openk3.parallel.launch import torchrun_argv
+
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    argv = ["train", "--nproc", "4", "--dp", "2", "--nproc=4", "--out", "run"]
+    assert torchrun_argv(4, argv) == [*head, "-m", "openk3.train", "--dp", "2", "--out", "run"]
+    argv = ["--threads", "1", "distill", "--nproc", "4", "--ep", "2"]
+    assert torchrun_argv(4, argv, command="distill", module="openk3.rl", module_args=["distill"]) == [
+        *head, "-m", "openk3.rl", "distill", "--ep", "2"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Tool calling and reasoning through the OpenAI surface with K3's XTML chat format (spec/serving.md §6).
+"""Tool calling and reasoning through the OpenAI surface with K3's XTML chat format (docs/serving.md).
 
 A tiny random model is forced to write scripted XTML answers (`ScriptedSampler` replaces the engine's sampling: the
 next id of the script registered for the request's prompt ids), so every test knows the exact output ids. Through the
@@ -168,6 +168,38 @@ def test_stop_strings_cut_content_and_streams_never_send_what_they_take_back(ser
     assert messages[0] == _message(whole.choices[0].message) and finish == {0: "stop"}
 
 
+def test_chat_handler_without_http_answers_as_the_server_does(served):
+    """OpenAIServingChat called directly (no HTTP) gives the message and finish reason the server sends, call ids
+    aside; a stream's chunks concatenate to it."""
+    import asyncio
+
+    from openk3.serve.protocol import ChatCompletionRequest
+    from openk3.serve.serving_chat import OpenAIServingChat
+    from openk3.serve.serving_models import OpenAIServingModels
+
+    base, llm = served
+    _script(CONVERSATION, CALLING, tools=TOOLS)
+    over_http = _chat(base, CONVERSATION, tools=TOOLS).choices[0]
+    chat = OpenAIServingChat(llm, OpenAIServingModels("tiny", OPTIONS["max_model_len"]), TEMPLATE)
+    req = {"model": "tiny", "messages": CONVERSATION, "tools": TOOLS, "max_tokens": 300, "temperature": 0}
+    body = asyncio.run(chat.create_chat_completion(ChatCompletionRequest(**req)))
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == over_http.finish_reason == "tool_calls"
+    message = choice["message"]
+    assert {"reasoning_content": message["reasoning_content"], "content": message["content"] or "",
+            "tool_calls": {i: c["function"] for i, c in enumerate(message["tool_calls"])}} == _message(
+        over_http.message)  # fmt: skip
+
+    async def streamed() -> list[dict]:
+        events = await chat.create_chat_completion(ChatCompletionRequest(**req, stream=True))
+        return [json.loads(line[6:]) async for line in events if line.startswith("data: {")]
+
+    deltas = [c["choices"][0]["delta"] for c in asyncio.run(streamed())]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d["function"]["arguments"] for d in deltas for d in d.get("tool_calls", [])) == (
+        message["tool_calls"][0]["function"]["arguments"])  # fmt: skip
+
+
 def test_thinking_effort_thinking_off_and_response_format_reach_the_renderer(served):
     base, _ = served
     prompt = _script(CONVERSATION, ANSWER, thinking_effort="low")
@@ -181,9 +213,21 @@ def test_thinking_effort_thinking_off_and_response_format_reach_the_renderer(ser
     r = _chat(base, CONVERSATION, response_format=response_format, extra_body={"chat_template_kwargs": {
         "thinking": False}})  # fmt: skip
     assert SAMPLER.prompts[-1] == prompt
-    assert r.choices[0].message.content == '{"sky": "sunny"}' and "reasoning_content" not in (
-        r.choices[0].message.model_extra or {}) or r.choices[0].message.model_extra["reasoning_content"] is None
+    # No reasoning: the field is absent (not null) from the message, and from every streamed chunk.
+    assert r.choices[0].message.content == '{"sky": "sunny"}'
+    assert "reasoning_content" not in (r.choices[0].message.model_extra or {})
     assert r.usage.completion_tokens_details.reasoning_tokens == 0
+    raw = httpx2.post(f"{base}/v1/chat/completions", json={"model": "tiny", "messages": CONVERSATION,
+                      "max_tokens": 300, "temperature": 0, "response_format": response_format,
+                      "chat_template_kwargs": {"thinking": False}}, timeout=60).json()  # fmt: skip
+    assert raw["choices"][0]["message"] == {"role": "assistant", "content": '{"sky": "sunny"}'}
+    with httpx2.stream("POST", f"{base}/v1/chat/completions", json={"model": "tiny", "messages": CONVERSATION,
+                       "max_tokens": 300, "temperature": 0, "stream": True, "response_format": response_format,
+                       "chat_template_kwargs": {"thinking": False}}, timeout=60) as stream:  # fmt: skip
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert all("reasoning_content" not in d for d in deltas)
+    assert "".join(d.get("content", "") for d in deltas) == '{"sky": "sunny"}'
 
 
 @pytest.mark.parametrize(("tool_choice", "rendered", "accepted"), [
@@ -292,10 +336,9 @@ def test_llm_chat_parses_as_the_server_does(served):
 
 
 def test_k3_chat_prints_reasoning_content_and_tool_calls(scripted, monkeypatch, capsys):
-    import argparse
     import io
 
-    from openk3.cli import _chat_loop
+    from openk3.serve.chat_repl import chat_loop
 
     engine = make_engine(MODEL, **OPTIONS)
     engine.tokenizer = TOKENIZER
@@ -306,12 +349,42 @@ def test_k3_chat_prints_reasoning_content_and_tool_calls(scripted, monkeypatch, 
     # The second turn's prompt holds the first answer as parsed (its call id aside, which the renderer never shows).
     _script([*first, calling, {"role": "user", "content": "And?"}], ANSWER)
     monkeypatch.setattr("sys.stdin", io.StringIO("Weather in Paris?\nAnd?\n/exit\n"))
-    args = argparse.Namespace(system="Be terse.", max_new_tokens=300, temperature=0.0, top_p=1.0, top_k=0, seed=0)
-    assert _chat_loop(engine, TEMPLATE, args) == 0
+    assert chat_loop(engine, TEMPLATE, system="Be terse.", max_new_tokens=300, temperature=0.0, top_p=1.0) == 0
     out = capsys.readouterr().out
     assert "k3> [thinking] Ask the weather tool.\n" in out
     assert '[tool call] get_weather({"city": "Paris"})' in out
     assert "k3> [thinking] It said sun.\nSunny in Paris. Bye.\n" in out
+
+
+def test_k3_chat_without_thinking_and_a_clear_message_when_thinking_is_cut(scripted, monkeypatch, capsys):
+    """`k3 chat --no-thinking` renders each turn with the think channel off (the prompt the server renders for
+    chat_template_kwargs thinking false) and reads the answer from the response channel; with thinking on, an answer
+    that reaches --max-new-tokens inside its reasoning is said plainly, naming both ways out."""
+    import io
+
+    from openk3.cli import main
+    from openk3.serve.chat_repl import chat_loop
+
+    engine = make_engine(MODEL, **OPTIONS)
+    engine.tokenizer = TOKENIZER
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = _script(user, {"role": "assistant", "content": "Sunny."}, thinking=False)
+    monkeypatch.setattr("sys.stdin", io.StringIO("Weather in Paris?\n"))
+    assert chat_loop(engine, TEMPLATE, max_new_tokens=300, temperature=0.0, thinking=False) == 0
+    assert SAMPLER.prompts[-1] == prompt
+    out, err = capsys.readouterr()
+    assert "k3> Sunny.\n" in out and "[thinking]" not in out and "malformed" not in err
+
+    _script(user, {"role": "assistant", "reasoning_content": "A long thought " * 20, "content": "Sunny."})
+    monkeypatch.setattr("sys.stdin", io.StringIO("Weather in Paris?\n"))
+    assert chat_loop(engine, TEMPLATE, max_new_tokens=5, temperature=0.0) == 0
+    out, err = capsys.readouterr()
+    assert "k3> [thinking] " in out
+    assert "reached --max-new-tokens (5) while still thinking" in err and "--no-thinking" in err
+    assert "malformed" not in err
+    with pytest.raises(SystemExit):
+        main(["chat", "--help"])
+    assert "--no-thinking" in capsys.readouterr().out
 
 
 def test_llm_chat_with_a_plain_format(scripted):

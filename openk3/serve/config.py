@@ -1,7 +1,7 @@
-"""ServeConfig: every engine option in one dataclass, with vLLM's names where vLLM has one (spec/serving.md §2-§4).
+"""ServeConfig: every engine option in one dataclass, with vLLM's names where vLLM has one.
 
 Units (tokens): the hash unit U (prefix matching granularity, default 512) and the allocation unit B (one MLA page,
-a multiple of U; K3 uses 1024-6144 on GPUs, spec §1.3). Budgets: `max_num_batched_tokens` per engine step (chunked
+a multiple of U; K3 uses 1024-6144 on GPUs: serve/plan.py). Budgets: `max_num_batched_tokens` per engine step (chunked
 prefill and decode share it), `max_num_seqs` running requests (= KDA working slots), `num_blocks` MLA pages and
 `max_num_checkpoints` KDA state checkpoints. Derived defaults are filled in one place, `resolve`. For RL rollouts:
 `record_routed_experts` (routes per token) and `CheckpointPolicy.output_end` (agent-loop turns resume near the
@@ -101,7 +101,7 @@ def checkpoint_dtype(path) -> str | None:
 
 @dataclass
 class CheckpointPolicy:
-    """Which hash endpoints get a KDA state checkpoint (spec §2.3). Positions are unit boundaries."""
+    """Which hash endpoints get a KDA state checkpoint (see docs/serving.md). Positions are unit boundaries."""
 
     prompt_end: bool = True  # the last unit boundary <= len(prompt) - 1
     interval: int = 32768  # tokens between checkpoints during long prefills (a multiple of U; 0 = off)
@@ -139,7 +139,7 @@ class ServeConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings, at most 32768
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True  # on by default (spec §6: users must not have to know to enable it)
+    enable_prefix_caching: bool = True  # on by default: users must not have to know to enable it
     hash_unit: int = 512
     block_size: int = 1024  # the allocation unit B
     num_blocks: int | None = None  # default: every running request at max_model_len, within `cache_memory_bytes`
@@ -147,11 +147,12 @@ class ServeConfig:
     max_num_checkpoints: int | None = None  # default: 2 per running request
     checkpoint_policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
     speculative_config: SpeculativeConfig | None = None
-    # Fill freed state slots and freed pages with NaN so any read of unwritten memory poisons the logits
-    # (spec §7 #3). Costs one fill per free; on by default because silent corruption is the worse failure.
+    # Fill freed state slots and freed pages with NaN so any read of unwritten memory poisons the logits (reading a
+    # never-written slot is a silent-corruption bug public engines have shipped). Costs one fill per free; on by
+    # default because silent corruption is the worse failure.
     poison_free: bool = True
     # Record every fed token's routed experts per MoE layer (kv/routes.py) and return them with each finished
-    # request (`CompletionOutput.routed_experts`), for routing replay in RL training (spec/rl.md §3).
+    # request (`CompletionOutput.routed_experts`), for routing replay in RL training (docs/rl.md).
     record_routed_experts: bool = False
 
     @classmethod
@@ -206,7 +207,7 @@ class ServeConfig:
         return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
 
     def _warn_if_inert(self) -> None:
-        """Startup checks of spec §2.7: configurations under which prefix caching can never (or rarely) hit."""
+        """Startup checks: configurations under which prefix caching can never (or rarely) hit."""
         policy = self.checkpoint_policy
         any_policy = policy.prompt_end or policy.interval or policy.second_sighting or policy.output_end
         if not any_policy or self.max_num_checkpoints == 0:

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a serving engine (spec/serving.md §6): latency histograms measured per request, and the
+"""Prometheus metrics of a serving engine (listed in docs/serving.md): latency histograms measured per request, and the
 engine's own counters read at scrape time.
 
     openk3_time_to_first_token_seconds        histogram   arrival -> first output token

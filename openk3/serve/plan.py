@@ -1,8 +1,8 @@
 """The serving economics of K3's hybrid cache: bytes per token and per request, the crossover against an all-MLA
-model of the same depth, and the allocation unit (spec/serving.md §1.1–1.3).
+model of the same depth, and the allocation unit.
 
 This file owns the arithmetic only, over the layers' `CacheSpec`s (model/cache.py); the pool that allocates these bytes
-is `serve/kv/block_pool.py`, built from the same specs. What each layer kind keeps between forwards (spec §1.1):
+is `serve/kv/block_pool.py`, built from the same specs. What each layer kind keeps between forwards:
 
 - MLA: one latent per token per MLA layer, `kv_lora_rank + qk_rope_head_dim` values in the activation dtype. It has a
   single "head", so tensor parallelism **replicates** it: every TP rank holds all of it.
@@ -53,7 +53,8 @@ class CachePlan:
 
     def allocation_unit(self, hash_unit: int = 512) -> int:
         """Tokens per MLA block such that one layer's MLA page is at least one layer's state page (state + conv),
-        rounded up to a multiple of `hash_unit` (spec §1.3: 6144 / 3072 / 1536 / 1024 at TP 1 / 2 / 4 / 8 for K3).
+        rounded up to a multiple of `hash_unit` (6144 / 3072 / 1536 / 1024 at TP 1 / 2 / 4 / 8 for K3: the
+        report's 1024-6144 range; the report does not state this rule, it is our reconstruction).
         A model without KDA layers gets one hash unit."""
         if hash_unit <= 0:
             raise ValueError(f"hash_unit must be positive, got {hash_unit}")
@@ -94,7 +95,7 @@ def cache_plan(text_config: K3TextConfig, act_bytes: int = 2, tp: int = 1) -> Ca
 
 
 def _human(n: float) -> str:
-    """Binary units (KiB = 1024 B), as spec §1.2 uses them."""
+    """Binary units (KiB = 1024 B), as K3's published memory figures use them."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.3f} {unit}"
@@ -102,7 +103,7 @@ def _human(n: float) -> str:
 
 
 def _tokens(n: int) -> str:
-    """1K = 1024 tokens, 1M = 1024K, as the spec's context table counts them."""
+    """1K = 1024 tokens, 1M = 1024K (binary, like the byte units)."""
     for unit, size in (("M", 2**20), ("K", 2**10)):
         if n >= size and n % size == 0:
             return f"{n // size}{unit}"

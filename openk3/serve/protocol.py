@@ -1,4 +1,4 @@
-"""The OpenAI request and response shapes the server speaks (spec/serving.md §6).
+"""The OpenAI request and response shapes the server speaks (docs/serving.md, "HTTP server").
 
 Requests are strict pydantic models (no bool-as-int, no string numbers, finite floats, valid Unicode) that ignore
 unknown fields (e.g. `user`), refuse the OpenAI fields not implemented (`UNSUPPORTED`: logit_bias, the legacy

@@ -1,12 +1,13 @@
-"""Token-budget scheduling (spec/serving.md §3): no prefill and decode phases; every step each running request's
+"""Token-budget scheduling: no prefill and decode phases; every step each running request's
 computed-token count chases its token count, within `max_num_batched_tokens`.
 
 Order inside a step: running requests that are decoding (1 token, or 1 + drafts when speculating), then running
 requests that are still prefilling, then waiting requests in arrival order while a working slot and pages for their
 prompt are free. A prefill chunk that does not finish the prompt ends on a multiple of the hash unit, and always
-at the next planned checkpoint, so the KDA state exists exactly where a checkpoint must be taken (§2.3). When pages
+at the next planned checkpoint, so the KDA state exists exactly where a checkpoint must be taken. When pages
 run out the newest running request is preempted: it gives back its slot and pages and re-enters the queue with its
-tokens so far; it resumes from its deepest checkpoint when prefix caching is on, else recomputes (§3).
+tokens so far; it resumes from its deepest checkpoint when prefix caching is on, else recomputes
+(its KDA state can never be rebuilt from latents alone).
 Scheduling runs no model: speculative drafts come from the engine (proposed within `draft_room`), and the scheduler
 only cuts each to what the token budget leaves.
 """

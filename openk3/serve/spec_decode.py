@@ -1,4 +1,4 @@
-"""Speculative decoding with input replay (spec/serving.md §4): proposers, acceptance, and the fold.
+"""Speculative decoding with input replay: proposers, acceptance, and the fold.
 
 Proposers return draft tokens for a decoding request: `NgramProposer` (prompt lookup: the tokens that followed the
 latest earlier occurrence of the context's last n-gram; no extra model) and `DraftModelProposer` (a small K3 that
@@ -9,7 +9,7 @@ step on register copies and record each step's inputs, writing no state. `accept
 (greedy: drafts must equal the target's argmax; sampling: a draft d is kept with probability p(d), else the token
 is drawn from p with d removed; both keep the target's distribution exactly, since drafts are point masses).
 `fold` then replays the recorded inputs of the accepted prefix onto each working slot with `kda_fold`, the
-verify pass's own function on the same batch shape, so the folded state is bitwise the state verify held (§4.4).
+verify pass's own function on the same batch shape, so the folded state is bitwise the state verify held.
 
 Legend: N requests, G = 1 + drafts, H heads, K/V head dims, W conv width, P projected width, V vocabulary.
 """

@@ -18,7 +18,7 @@ from openk3.data.tokenizer import train_bpe
 from openk3.serve.config import ServeConfig
 from openk3.serve.engine import LLMEngine
 
-MARGIN = 1e-4  # STYLE.md §5: compare greedy tokens only where the top-2 logit margin is clear
+MARGIN = 1e-4  # compare greedy tokens only where the top-2 logit margin is clear
 
 
 def tiny_model(seed: int = 0) -> K3ForCausalLM:

@@ -1,4 +1,4 @@
-"""One hostile request never stops the server (issue 19): extreme sampling settings, non-finite logits and failing
+"""One hostile request never stops the server: extreme sampling settings, non-finite logits and failing
 steps end only their own request; lone surrogates, huge bodies, hostile chat templates, disconnects, simultaneous
 floods and unsupported fields each get a JSON answer of their own while the engine keeps serving. Everything runs on
 127.0.0.1 with bounded loops."""

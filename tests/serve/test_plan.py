@@ -1,5 +1,7 @@
-"""`serve/plan.py` and `k3 plan`: the k3 preset reproduces spec/serving.md §1.2–1.3 to the byte, the tiny preset
-matches a hand computation from its config fields, and the CLI prints the table or exits 2 on bad input."""
+"""`serve/plan.py` and `k3 plan`: the k3 preset reproduces K3's cache arithmetic to the byte (27,648 B of latent per
+token, 449,372,160 B of state + conv per request, allocation units 6144 / 3072 / 1536 / 1024 at TP 1 / 2 / 4 / 8),
+the tiny preset matches a hand computation from its config fields, and the CLI prints the table or exits 2 on bad
+input."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from openk3.cli import main
 from openk3.config import K3Config
 from openk3.serve.plan import cache_plan, format_plan
 
-GIB = 2**30  # spec §1.2's table is in binary GiB: 1K tokens of hybrid = 477,683,712 B = 0.445 GiB (0.478 GB)
+GIB = 2**30  # the table below is in binary GiB: 1K tokens of hybrid = 477,683,712 B = 0.445 GiB (0.478 GB)
 
 
 @pytest.fixture
@@ -36,7 +38,7 @@ def test_k3_matches_spec_1_2(k3_text):
     assert 6 * 2**20 // plan.latent_bytes_per_token_layer == 5_461
 
 
-# (context, hybrid GiB, all-MLA GiB, ratio) of spec §1.2; 1K = 1024 tokens.
+# (context, hybrid GiB, all-MLA GiB, ratio) for the full K3 model, derived by hand; 1K = 1024 tokens.
 SPEC_TABLE = [
     (2**10, 0.445, 0.102, 4.35),
     (2**12, 0.524, 0.409, 1.28),
@@ -182,4 +184,4 @@ def test_allocated_pools_and_cache_measure_the_plan(preset, dtype):
     cache = K3Cache(text, num_seqs=2, dtype=dtype, device="meta")
     assert cache.nbytes() == 2 * plan.fixed_bytes_per_request
     if preset == "k3":
-        assert (pools.mla_bytes_per_token(), pools.slot_bytes()) == (27_648, 449_372_160)  # spec §1.2
+        assert (pools.mla_bytes_per_token(), pools.slot_bytes()) == (27_648, 449_372_160)  # K3: the docstring figures

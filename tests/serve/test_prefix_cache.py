@@ -1,4 +1,4 @@
-"""Prefix caching on the hybrid cache (spec/serving.md §2, §7 #1, #3, #6): a hit gives the same logits as computing
+"""Prefix caching on the hybrid cache: a hit gives the same logits as computing
 from scratch (bitwise against a cold run split at the same point, within a measured 2e-5 of an unsplit one) for hits on and off
 page boundaries (copy-on-write) and after evictions; hits at the default units; separate latent and state counters;
 second-sighting checkpoints; warnings when caching is inert."""
@@ -93,7 +93,7 @@ def test_hit_after_evictions_and_with_concurrent_sharers(model, one_thread):
 
 
 def test_repeats_hit_at_the_default_units(model):
-    """spec §7 #1(a): with U = 512, an exact repeat of a 2,000-token prompt reuses 1,536 tokens, a 600-token one 512."""
+    """With U = 512, an exact repeat of a 2,000-token prompt reuses 1,536 tokens, a 600-token one 512."""
     engine = make_engine(model, max_num_batched_tokens=2048)
     assert engine.config.hash_unit == 512 and engine.config.block_size == 1024
     for n, want in ((2000, 1536), (600, 512)):

@@ -1,4 +1,4 @@
-"""Randomised stress of the engine (spec/serving.md §7 #3, #4): arrivals, aborts, preemptions, evictions and slot
+"""Randomised stress of the engine: arrivals, aborts, preemptions, evictions and slot
 reuse under a small pool never let one request see another's state (each finished request equals its solo greedy
 run on margin-clear steps, and freed memory is NaN-poisoned so a stray read would show), the pool invariants hold
 after every step, and every page and slot returns to the pool at the end."""

@@ -1,9 +1,9 @@
-"""Images through serving (issue 16 item 4): the engine ≡ a full multimodal forward recomputed every step, image
+"""Images through serving: the engine ≡ a full multimodal forward recomputed every step, image
 rows through chunked prefill, prefix-cache hits keyed by the image's pixels, and the server's image content parts
 through the `openai` client (data URLs only, every bad image a 400 in OpenAI's error shape).
 
 The model is the official tiny fixture with its vision tower (vocab 512, placeholder id 277); greedy tokens are
-compared only up to the first near-tie of the reference (STYLE.md §5).
+compared only up to the first near-tie of the reference.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The cache memory and its accounting: the pool tensors, MLA pages with reference counts, KDA state slots.
 
-`HybridPools` holds the tensors (spec/serving.md §1): per MLA layer, pages of B tokens of the 576-wide latent
+`HybridPools` holds the tensors (arithmetic in serve/plan.py): per MLA layer, pages of B tokens of the 576-wide latent
 (normalised c_kv followed by raw k_pe); per KDA layer, state slots of the fp32 recurrent state [H, K, V] and the three
 conv tails [W-1, P]. Working slots (one per running request) and read-only state checkpoints share the slot tensors.
 Slot 0 is the dummy slot: it is never handed out, so a stray index can never reach a request's state.

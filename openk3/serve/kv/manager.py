@@ -1,4 +1,4 @@
-"""KVCacheManager: allocation and prefix lookup across the two kinds of cache (spec/serving.md §1.3, §2).
+"""KVCacheManager: allocation and prefix lookup across the two kinds of cache (docs/serving.md).
 
 Per request it owns a KDA working slot and a page table of MLA pages. Admission looks the prompt up in the prefix
 index; a hit of u* units restores the checkpoint at h_u* into the working slot (a copy: checkpoints are read-only)
@@ -40,7 +40,7 @@ log = logging.getLogger("openk3.serve")
 
 @dataclass
 class CacheStats:
-    """Prefix-cache counters (spec §2.7): latent matches and effective (checkpoint-bounded) hits, separately."""
+    """Prefix-cache counters: latent matches and effective (checkpoint-bounded) hits, separately."""
 
     queries: int = 0
     prompt_tokens: int = 0
@@ -174,7 +174,7 @@ class KVCacheManager:
         req.num_computed = hit_len
 
     def _plan(self, req: Request, hit_units: int, matched_units: int) -> list[int]:
-        """Checkpoint positions (tokens) this request will take while prefilling (spec §2.3). The prefill feeds
+        """Checkpoint positions (tokens) this request will take while prefilling (`CheckpointPolicy`). The prefill feeds
         tokens [hit, n), so states exist at chunk ends in (hit, n]."""
         policy, U = self.config.checkpoint_policy, self.U
         start, n = hit_units * U, len(req.tokens)
@@ -296,7 +296,7 @@ class KVCacheManager:
         assert not (set(self.slots.free) & self.slots.used) and 0 not in self.slots.used
 
     def _runtime_warnings(self) -> None:
-        """Rate-limited runtime warnings of spec §2.7, from the last 64 admissions."""
+        """Rate-limited warnings that prefix caching is inert at run time, from the last 64 admissions."""
         if len(self._recent) < 8:
             return
         if all(n <= self.U for n, _, _ in self._recent) and "short" not in self._warned:

@@ -1,5 +1,5 @@
-"""Prefix caching for a hybrid model (spec/serving.md §2): chained unit hashes, where each unit's latents live, and
-the sparse table of KDA state checkpoints.
+"""Prefix caching for a hybrid model (docs/serving.md, "Prefix caching"): chained unit hashes, where each unit's
+latents live, and the sparse table of KDA state checkpoints.
 
     h_i = SHA-256(h_{i-1} || extra key || image keys of unit i || token ids of unit i)   over full units only
 

@@ -1,4 +1,4 @@
-"""Routed experts per token, for routing replay in training (spec/rl.md §3): a pool aligned with the MLA pages,
+"""Routed experts per token, for routing replay in training (docs/rl.md): a pool aligned with the MLA pages,
 and the MoE observer that fills it during a forward.
 
 `RoutesPool.routes_NBMk[page, offset]` holds, for the token whose latent lives at (page, offset), the experts every

@@ -2,7 +2,7 @@
 batch. They implement the entry interface of model/cache.py, so the model runs unchanged on paged memory:
 
     KDA view: load() gathers the batch's slots; store() scatters the new state and tails back; record() keeps the
-              inputs of a verify pass (spec/serving.md §4.3) as a `KDARecord` for the fold; decode_in_out() hands
+              inputs of a verify pass as a `KDARecord` for the fold; decode_in_out() hands
               the fused CPU decode kernel the pools and slots to update in place
     MLA view: append(x, lens) writes every sequence's new latents into its pages in one index_copy; past(i) reads
               sequence i's latents (a view of the pool when its pages are consecutive); block() gathers every
@@ -28,7 +28,8 @@ from openk3.serve.kv.block_pool import HybridPools
 
 class KDARecord(NamedTuple):
     """What one KDA layer's verify pass fed its state and conv tails: the G decode steps' inputs and the pre-conv
-    q, k, v rows [N, G, P]. The fold replays a prefix of them; never recompute these (spec/serving.md §4.4)."""
+    q, k, v rows [N, G, P]. The fold replays a prefix of them; never recompute these (a gate recomputed in
+    the fold by a slightly different formula lets the state drift while the outputs still look right)."""
 
     steps: KDASteps
     pre_conv_NGP: tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -446,9 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     if args_in[:1] == ["--worker"]:  # one side's measurement, in its own process (run_isolated)
         print(json.dumps(measure_side(json.loads(args_in[1]))), flush=True)
         return 0
-    p = argparse.ArgumentParser(prog="k3 bench cpu", description=__doc__.split("\n\n")[0],
-                                epilog="`python benchmarks/cpu.py fidelity --ckpt DIR` runs the llama.cpp fidelity "
-                                "check alone (`fidelity --help`).")
+    p = argparse.ArgumentParser(
+        prog="k3 bench cpu",
+        description=__doc__.split("\n\n")[0],
+        epilog="`python benchmarks/cpu.py fidelity --ckpt DIR` runs the llama.cpp fidelity "
+        "check alone (`fidelity --help`).",
+    )
     p.add_argument("--ckpt", help="checkpoint folder (default: a random --preset checkpoint cached in runs/bench-cpu)")
     p.add_argument("--preset", default="medium", help="preset of the default checkpoint (tiny: a smoke run)")
     p.add_argument("--threads", type=int, default=None, help="threads of both sides (default: every core)")
@@ -746,7 +749,6 @@ def markdown(r: dict, dtypes: list[str], args) -> str:
     return "\n".join(lines) + "\n"
 
 
-
 # ---- the decode profile ----------------------------------------------------------------------------------------------
 # Where a decode step of openk3's serving engine spends its time: torch.profiler over a few batch-1 decode steps,
 # the ops' self CPU time grouped into categories (matmul, elementwise, indexing/copies, reductions/norms, other), the
@@ -953,9 +955,10 @@ def logits_rel_rms(ckpt_dir: str, gguf_path: str | None = None, n_tokens: int = 
 
 def fidelity_main(argv: list[str]) -> int:
     """`python benchmarks/cpu.py fidelity`: the fidelity check alone, printed as JSON (nothing written)."""
-    p = argparse.ArgumentParser(prog="python benchmarks/cpu.py fidelity",
-                                description="llama.cpp's logits of a checkpoint's GGUF export against openk3's fp32 "
-                                "forward")
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/cpu.py fidelity",
+        description="llama.cpp's logits of a checkpoint's GGUF export against openk3's fp32 forward",
+    )
     p.add_argument("--ckpt", required=True, help="a checkpoint folder (k3 init / k3 train / a release)")
     p.add_argument("--gguf", default=None, help="its GGUF export (default: export to a temporary f32 file)")
     p.add_argument("--tokens", type=int, default=64)
@@ -966,6 +969,7 @@ def fidelity_main(argv: list[str]) -> int:
     result = logits_rel_rms(args.ckpt, args.gguf, args.tokens, args.seed, args.threads, args.verbose)
     print(json.dumps(result, indent=2))
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

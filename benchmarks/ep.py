@@ -77,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
 def markdown(result: dict, args) -> str:
     lines = [
         "# Expert-parallel balance at K3 scale (`k3 bench ep`, simulated)", "",
-        f"{result['experts']} experts, top-{result['top_k']}, {result['tokens_per_rank']} tokens per rank, popularity "
+        (f"{result['experts']} experts, top-{result['top_k']}, {result['tokens_per_rank']} tokens per rank, popularity "
         f"skew σ_e = {result['skew']}, quantile balancing after {args.qb_steps} steps on fresh batches, measured on an "
         f"unseen batch. Bytes: dispatch + combine of bf16 {result['latent']}-wide latents, one copy per destination "
-        "rank.", "",
+        "rank."), "",
         "| ranks | scheme | received max / mean | MiB sent per rank (mean) | (max) | replicas |",
         "|---:|---|---:|---:|---:|---:|",
     ]  # fmt: skip

@@ -130,7 +130,7 @@ def load_fla_naive():
         module = importlib.util.module_from_spec(file_spec)
         file_spec.loader.exec_module(module)
         return module.naive_recurrent_kda, None
-    except Exception as e:  # any import failure only disables this comparison
+    except Exception as e:  # noqa: BLE001 - any import failure only disables this comparison
         return None, f"fla-core naive_recurrent_kda not loadable: {type(e).__name__}: {e}"
 
 
@@ -335,21 +335,30 @@ def evaluate_targets(cells, result) -> list[dict]:
         s = _find(cells, shape=shape, T=T, dtype="fp32", path="sdpa", mode="fwd")
         if c and s:
             wins[T] = s["seconds"] / c["seconds"]
-    add("chunked fwd faster than softmax attention from T=8K on (fp32)",
-        ", ".join(f"T={T}: {r:.1f}x" for T, r in wins.items()) or None, (min(wins.values()) > 1) if wins else None)
+    add(
+        "chunked fwd faster than softmax attention from T=8K on (fp32)",
+        ", ".join(f"T={T}: {r:.1f}x" for T, r in wins.items()) or None,
+        (min(wins.values()) > 1) if wins else None,
+    )
     per_token = {T: c["seconds"] / T * 1e6 for T in lengths
                  if (c := _find(cells, shape=shape, T=T, dtype="fp32", path="chunked", mode="fwd"))}  # fmt: skip
     linear = None
     if len(per_token) >= 2:
         first, last = per_token[min(per_token)], per_token[max(per_token)]
         linear = last <= 1.5 * first
-    add("chunked time grows linearly in T (us/token, fp32 fwd; within 1.5x of the shortest length)",
-        ", ".join(f"T={T}: {v:.1f}" for T, v in per_token.items()) or None, linear)
+    add(
+        "chunked time grows linearly in T (us/token, fp32 fwd; within 1.5x of the shortest length)",
+        ", ".join(f"T={T}: {v:.1f}" for T, v in per_token.items()) or None,
+        linear,
+    )
     f = _find(cells, shape=shape, T=T8, dtype="fp32", path="chunked", mode="fwd")
     b = _find(cells, shape=shape, T=T8, dtype="fp32", path="chunked", mode="fwd+bwd")
     ratio = None if f is None or b is None else b["seconds"] / f["seconds"]
-    add(f"chunked fwd+bwd <= 3.5x fwd at T={T8} (fp32)", None if ratio is None else f"{ratio:.2f}x",
-        None if ratio is None else ratio <= 3.5)
+    add(
+        f"chunked fwd+bwd <= 3.5x fwd at T={T8} (fp32)",
+        None if ratio is None else f"{ratio:.2f}x",
+        None if ratio is None else ratio <= 3.5,
+    )
     return out + _check_targets(result)
 
 
@@ -374,15 +383,15 @@ def markdown(result) -> str:
     m = result["machine"]
     lines = [
         "# KDA CPU benchmark (`k3 bench kda`)", "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['threads']} thread(s), "
-        f"Python {m['python']}.  ",
+        (f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['threads']} thread(s), "
+        f"Python {m['python']}.  "),
         f"Load before / after: `{m['load_before']}` / `{m.get('load_after', '')}`.  ",
         "Matmul rate (best 2048² GEMM, this run): "
         + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in result["matmul_gflops"].items()) + ".", "",
     ]  # fmt: skip
     lines += targets_table(result["targets"], "KDA on CPU")
-    lines += ["", "## Cells", "", "| shape | dtype | path | mode | T | ms (min) | ms (median) | GFLOP/s | % matmul | "
-              "peak MiB |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines += ["", "## Cells", "", ("| shape | dtype | path | mode | T | ms (min) | ms (median) | GFLOP/s | % matmul | "
+              "peak MiB |"), "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for c in result["cells"]:
         head = f"| {c['shape']} | {c['dtype']} | {c['path']} | {c['mode']} | {c['T']} |"
         if c["status"] == "ok":
@@ -402,7 +411,6 @@ def print_table(cells) -> None:
                   f"{c['peak_mib']:>7.0f}")  # fmt: skip
         else:
             print(f"{head}   skipped: {c['reason']}")
-
 
 
 # ---- the pre-K3 baseline ---------------------------------------------------------------------------------------------
@@ -502,6 +510,7 @@ def _logspace_sequence(q, k, v, g, beta, S_BHKV, scale):
         return v.new_zeros(B, 0, H, V), S_BHKV
     o_BHnCV = torch.stack(o_chunks, dim=2)
     return o_BHnCV.permute(0, 2, 3, 1, 4).reshape(B, n * LOGSPACE_CHUNK, H, V)[:, :T], S_BHKV
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -45,8 +45,10 @@ def scratch_out(name: str) -> str:
 
 def out_help(committed: str) -> str:
     """The `--out` help every benchmark gives: where a run writes by default and how to update committed results."""
-    return (f"JSON path or the path without .json; the .md goes beside it (default: {scratch_out(committed)}.json, "
-            f"not committed; --out benchmarks/results/{committed} replaces the committed results)")
+    return (
+        f"JSON path or the path without .json; the .md goes beside it (default: {scratch_out(committed)}.json, "
+        f"not committed; --out benchmarks/results/{committed} replaces the committed results)"
+    )
 
 
 def targets_table(targets: list[dict], subject: str, na: str = "n/a") -> list[str]:

@@ -122,10 +122,13 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     if argv[:1] == ["layouts"]:
         return layouts_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python benchmarks/rl.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="`python benchmarks/rl.py layouts` compares `k3 rl` at several process layouts "
-                                "instead (`layouts --help`).")
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/rl.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="`python benchmarks/rl.py layouts` compares `k3 rl` at several process layouts "
+        "instead (`layouts --help`).",
+    )
     p.add_argument("--task", default="calculator,files")
     p.add_argument("--copy-steps", type=int, default=1600, help="k3 rl --copy-steps")
     p.add_argument("--sft-steps", type=int, default=500)
@@ -247,7 +250,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-
 # ---- process layouts -------------------------------------------------------------------------------------------------
 # `k3 rl` at several process layouts, side by side in one run: the same short run (a fixed init, the same seed and
 # task stream) at `--nproc 1` and at `--nproc 2 --ep 2` (more with `--layouts`), each through the real command line
@@ -262,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
 # token budgets, which is what the timings need (the quality of the policy does not enter them).
 #
 #     python benchmarks/rl.py layouts [--steps 6] [--layouts "1;2 --ep 2"] [--out benchmarks/results/rl-layouts-cpu]
+
 
 def make_init(folder: str, task: str, seed: int) -> str:
     model, tokenizer = fresh_policy("tiny", task.split(","), seed)
@@ -328,11 +331,18 @@ def layouts_main(argv: list[str]) -> int:
     for layout, r in results.items():
         md.append(f"| {layout} | {r['step_s']:.2f} | {r['rollout_tokens_per_s']:.0f} | {r['inference_share']:.0%} | "
                   f"{r['sandbox_share']:.1%} | {r['train_share']:.0%} | {r['wall_s']:.0f} |")  # fmt: skip
-    md += ["", ("Losses per step (each layout samples its own rollouts; a fresh policy solves nothing, so its group "
-                "advantages and losses are 0: this benchmark measures time, the tests measure equality):"), ""]
+    md += [
+        "",
+        (
+            "Losses per step (each layout samples its own rollouts; a fresh policy solves nothing, so its group "
+            "advantages and losses are 0: this benchmark measures time, the tests measure equality):"
+        ),
+        "",
+    ]
     md += [f"- {layout}: {', '.join(f'{v:.4g}' for v in r['losses'])}" for layout, r in results.items()]
     write_report({"machine": info, "settings": vars(args), "layouts": results}, args.out, "\n".join(md) + "\n")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -288,7 +288,7 @@ def markdown(r: dict) -> str:
     lines += targets_table(r["targets"], "sandboxes", na="n/a (smaller run)")
     lines += [
         "", "## What each number covers", "",
-        f"- **snapshot / restore**: {sr['workspace_mb']} files of 1 MiB written inside the sandbox, snapshotted once "
+        (f"- **snapshot / restore**: {sr['workspace_mb']} files of 1 MiB written inside the sandbox, snapshotted once "
         f"({sr['first_snapshot_ms']:.0f} ms: the first snapshot copies the whole workspace into a layer); then "
         f"{sr['snapshot']['n']} rounds of: rewrite one file ({sr['change_mb']} MiB), `snapshot()` (timed: the "
         "writable layer is copied into a new read-only layer, into the page cache, no fsync), write 1 MiB of "
@@ -300,23 +300,23 @@ def markdown(r: dict) -> str:
         f"(no scratch file, {sr['workspace_kib_after_restore'] // 1024} MiB). Files only: process memory is not "
         f"part of a namespace snapshot. The K3 report's {REPORT_SNAPSHOT_MS:g} ms / {REPORT_RESTORE_MS:g} ms are "
         "microVM checkpoint / resume, memory included: a different scope, set side by side, "
-        "not as equal work.",
-        f"- **fork**: `fork(ref, {f['n']})` of one snapshot, until every new sandbox answers; closing them took "
-        f"{f['close']['p50_ms']:.1f} ms p50 each.",
-        f"- **create**: `backend.create()` from the zygote, sandboxes kept alive during the series "
+        "not as equal work."),
+        (f"- **fork**: `fork(ref, {f['n']})` of one snapshot, until every new sandbox answers; closing them took "
+        f"{f['close']['p50_ms']:.1f} ms p50 each."),
+        (f"- **create**: `backend.create()` from the zygote, sandboxes kept alive during the series "
         f"(p90 {c['create']['p90_ms']:.1f} ms); close {c['close']['p50_ms']:.1f} ms p50. The fleet hands one out "
-        f"of its warm pool in {r['fleet']['create_from_warm_pool']['p50_ms']:.2f} ms p50.",
-        f"- **exec**: `exec([\"true\"])` in a sandbox after 5 warm-up calls (p90 {ex['sandbox']['p90_ms']:.2f} ms, "
+        f"of its warm pool in {r['fleet']['create_from_warm_pool']['p50_ms']:.2f} ms p50."),
+        (f"- **exec**: `exec([\"true\"])` in a sandbox after 5 warm-up calls (p90 {ex['sandbox']['p90_ms']:.2f} ms, "
         f"min {ex['sandbox']['min_ms']:.2f} ms), interleaved call by call with `subprocess.run([\"true\"])` on the "
         f"host (p90 {ex['host']['p90_ms']:.2f} ms, min {ex['host']['min_ms']:.2f} ms), so both see the same load "
         "on this shared 2-core machine. The sandbox's extra is the round trip to its supervisor and its fork of "
-        "the command inside the namespaces.",
-        f"- **idle**: {idle['count']} sandboxes created in {idle['create_all_s']:.1f} s and left idle "
+        "the command inside the namespaces."),
+        (f"- **idle**: {idle['count']} sandboxes created in {idle['create_all_s']:.1f} s and left idle "
         f"({idle['stopped_by']}). Each is {idle['processes_per_sandbox']:.1f} processes (its supervisor and the "
         f"middle process above it), {idle['pss_per_sandbox_mb']:.2f} MB PSS per sandbox ({idle['pss_total_mb']:.0f} "
         "MB in all; the zygote "
         f"that forked them, {idle['zygote_pss_mb']:.1f} MB, apart); their cgroups charge "
-        f"{idle['cgroup_memory_per_sandbox_mb']:.2f} MB each (kernel memory and page cache included).",
+        f"{idle['cgroup_memory_per_sandbox_mb']:.2f} MB each (kernel memory and page cache included)."),
     ]  # fmt: skip
     return "\n".join(lines) + "\n"
 

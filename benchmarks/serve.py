@@ -63,9 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     if argv[:1] == ["hardening"]:
         return hardening_main(argv[1:])
-    p = argparse.ArgumentParser(prog="k3 bench serve", description=__doc__.split("\n\n")[0],
-                                epilog="`python benchmarks/serve.py hardening` runs the hardening audit of `k3 serve` "
-                                "instead (`hardening --help`).")
+    p = argparse.ArgumentParser(
+        prog="k3 bench serve",
+        description=__doc__.split("\n\n")[0],
+        epilog="`python benchmarks/serve.py hardening` runs the hardening audit of `k3 serve` "
+        "instead (`hardening --help`).",
+    )
     p.add_argument("--quick", action="store_true", help="short contexts, few tokens (seconds; for tests)")
     p.add_argument("--ckpt", help="a trained checkpoint for the speculative-decoding section (default: random tiny)")
     p.add_argument("--preset", default="tiny", help="preset of the random-weight model (decode, TTFT, throughput)")
@@ -305,8 +308,10 @@ def throughput_section(model, concurrency: list[int], quick: bool) -> dict:
         decode_tok_s = (tokens - decode_tokens_before) / decode_s if decode_s > 0 else float("nan")
         out[str(c)] = {"requests": c, "output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed,
                        "decode_tok_s": decode_tok_s, "decode_seconds": decode_s}  # fmt: skip
-        print(f"throughput at {c} concurrent: {tokens / elapsed:.1f} output tok/s end to end, "
-              f"{decode_tok_s:.1f} decode-only ({elapsed:.1f} s)")
+        print(
+            f"throughput at {c} concurrent: {tokens / elapsed:.1f} output tok/s end to end, "
+            f"{decode_tok_s:.1f} decode-only ({elapsed:.1f} s)"
+        )
     return out
 
 
@@ -372,13 +377,12 @@ def markdown(r: dict) -> str:
         cell = r["speculative"][name]
         lines.append(f"| {name} | {cell['plain']['tok_s']:.1f} | {cell['ngram']['tok_s']:.1f} | {cell['speedup']:.2f}x | "
                      f"{cell['ngram']['acceptance_rate']:.0%} |")  # fmt: skip
-    lines += ["", "## Throughput", "", "Decode-only counts the tokens after every request has its first one, over the time "
-              "after that point.", "", "| concurrent requests | output tok/s (end to end) | decode-only tok/s | seconds |",
+    lines += ["", "## Throughput", "", ("Decode-only counts the tokens after every request has its first one, over the time "
+              "after that point."), "", "| concurrent requests | output tok/s (end to end) | decode-only tok/s | seconds |",
               "|---:|---:|---:|---:|"]  # fmt: skip
     for k, v in r["throughput"].items():
         lines.append(f"| {k} | {v['tok_s']:.1f} | {v.get('decode_tok_s', float('nan')):.1f} | {v['seconds']:.1f} |")
     return "\n".join(lines) + "\n"
-
 
 
 # ---- the hardening audit ---------------------------------------------------------------------------------------------
@@ -505,7 +509,7 @@ def sampling(srv: Server) -> dict:
 
 def concurrency(srv: Server, n: int = 64) -> dict:
     prompts = [f"Question {i}: why are caches hard?" for i in range(n)]
-    body = lambda p, stream: {"messages": [{"role": "user", "content": p}], "max_tokens": 16, "temperature": 0,  # noqa: E731
+    body = lambda p, stream: {"messages": [{"role": "user", "content": p}], "max_tokens": 16, "temperature": 0,
                               "stream": stream}  # fmt: skip
     with httpx2.Client(base_url=srv.base, timeout=120) as http:
         solo = [http.post("/v1/chat/completions", json=body(p, False)).json()["choices"][0]["message"]["content"]
@@ -514,6 +518,7 @@ def concurrency(srv: Server, n: int = 64) -> dict:
     async def run():
         async with httpx2.AsyncClient(base_url=srv.base, timeout=300,
                                       limits=httpx2.Limits(max_connections=n)) as client:  # fmt: skip
+
             async def one(p):
                 text = ""
                 async with client.stream("POST", "/v1/chat/completions", json=body(p, True)) as resp:
@@ -688,37 +693,54 @@ def hardening_measure(root: str, n_fuzz: int) -> dict:
 
 def hardening_markdown(r: dict) -> str:
     lines = ["# `k3 serve` hardening audit, re-measured", "",
-             f"`python benchmarks/serve.py hardening` on {r['machine']}, Python {r['python']}; a random tiny "
-             "checkpoint served by a `k3 serve` child process on 127.0.0.1.", "",
+             (f"`python benchmarks/serve.py hardening` on {r['machine']}, Python {r['python']}; a random tiny "
+             "checkpoint served by a `k3 serve` child process on 127.0.0.1."), "",
              "| round | what was sent | result |", "|---|---|---|"]  # fmt: skip
     fz = r["fuzz"]
-    lines.append(f"| fuzz | {fz['bodies']} random bodies | status codes {fz['status_codes']}; 5xx/4xx not JSON: "
-                 f"{fz['errors_not_json']}; engine alive after: {fz['alive_after']} |")
+    lines.append(
+        f"| fuzz | {fz['bodies']} random bodies | status codes {fz['status_codes']}; 5xx/4xx not JSON: "
+        f"{fz['errors_not_json']}; engine alive after: {fz['alive_after']} |"
+    )
     sm = r["sampling"]
-    lines.append(f"| sampling | temperature/top_p 1e-300, 5e-324, 1e-39 on both endpoints, streamed and not "
-                 f"({sm['requests']}) | status codes {sm['status_codes']}; /health after: {sm['health_after']} |")
+    lines.append(
+        f"| sampling | temperature/top_p 1e-300, 5e-324, 1e-39 on both endpoints, streamed and not "
+        f"({sm['requests']}) | status codes {sm['status_codes']}; /health after: {sm['health_after']} |"
+    )
     cc = r["concurrency"]
-    lines.append(f"| concurrency | {cc['streams']} concurrent greedy streams | {cc['identical_to_solo']}/"
-                 f"{cc['streams']} identical to their solo run, {cc['seconds']} s |")
+    lines.append(
+        f"| concurrency | {cc['streams']} concurrent greedy streams | {cc['identical_to_solo']}/"
+        f"{cc['streams']} identical to their solo run, {cc['seconds']} s |"
+    )
     dc = r["disconnects"]
-    lines.append(f"| disconnects | {dc['streams_dropped']} streams dropped after 4 events, {dc['non_streamed_dropped']}"
-                 f" non-streamed dropped after 0.3 s | aborts seen {dc['aborts_seen']:.0f}; running at end "
-                 f"{dc['running_at_end']:.0f}; slots used at end {dc['slots_used_at_end']:.0f}; RSS "
-                 f"{dc['rss_mb_before']} -> {dc['rss_mb_after']} MB |")
+    lines.append(
+        f"| disconnects | {dc['streams_dropped']} streams dropped after 4 events, {dc['non_streamed_dropped']}"
+        f" non-streamed dropped after 0.3 s | aborts seen {dc['aborts_seen']:.0f}; running at end "
+        f"{dc['running_at_end']:.0f}; slots used at end {dc['slots_used_at_end']:.0f}; RSS "
+        f"{dc['rss_mb_before']} -> {dc['rss_mb_after']} MB |"
+    )
     ov = r["overload"]
-    lines.append(f"| overload | {ov['simultaneous']} simultaneous, --max-waiting {ov['max_waiting']} | status codes "
-                 f"{ov['status_codes']} |")
+    lines.append(
+        f"| overload | {ov['simultaneous']} simultaneous, --max-waiting {ov['max_waiting']} | status codes "
+        f"{ov['status_codes']} |"
+    )
     bd = r["body"]
-    lines.append(f"| body | a 20 MB chat body | {bd['status']} in {bd['seconds']} s; worst /health meanwhile "
-                 f"{bd['worst_health_s']} s |")
+    lines.append(
+        f"| body | a 20 MB chat body | {bd['status']} in {bd['seconds']} s; worst /health meanwhile "
+        f"{bd['worst_health_s']} s |"
+    )
     for t in r["template"]:
-        lines.append(f"| template | {t['template']} (--template-timeout 2) | {t['status']} JSON={t['json']} in "
-                     f"{t['seconds']} s; next request {t['next_request']}; \"{t['message']}\" |")
+        lines.append(
+            f"| template | {t['template']} (--template-timeout 2) | {t['status']} JSON={t['json']} in "
+            f'{t["seconds"]} s; next request {t["next_request"]}; "{t["message"]}" |'
+        )
     sg = r["sigterm"]
-    lines.append(f"| sigterm | SIGTERM with a stream running (--shutdown-timeout 2) | exited in "
-                 f"{sg['seconds_to_exit']} s (status {sg['exit_status']}); the stream ended with "
-                 f"`{' / '.join(sg['stream_ended_with'])}` |")
+    lines.append(
+        f"| sigterm | SIGTERM with a stream running (--shutdown-timeout 2) | exited in "
+        f"{sg['seconds_to_exit']} s (status {sg['exit_status']}); the stream ended with "
+        f"`{' / '.join(sg['stream_ended_with'])}` |"
+    )
     return "\n".join(lines) + "\n"
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

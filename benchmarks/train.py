@@ -73,7 +73,9 @@ def _run(name: str, root: str, **kw) -> dict:
     }  # fmt: skip
     if evals and "unigram_loss" in evals[0]:
         crossed = next((r for r in evals if r["val_loss"] < r["unigram_loss"]), None)
-        result["below_unigram"] = {"step": crossed["step"], "approx_s": setup + crossed["elapsed_s"]} if crossed else None
+        result["below_unigram"] = (
+            {"step": crossed["step"], "approx_s": setup + crossed["elapsed_s"]} if crossed else None
+        )
     if cfg.data not in ("mqar", "needle", "recall"):
         result["sample"] = trainer.data.sample(trainer.model, 80)
     return result
@@ -83,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["two-jobs"]:
         return two_jobs_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python benchmarks/train.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="a few steps of each run (smoke test)")
     parser.add_argument("--out", default=None, help=out_help("train-cpu"))
     parser.add_argument("--skip", nargs="*", default=[], help="runs to skip (names as in the table)")
@@ -129,17 +132,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def _markdown(report: dict) -> str:
     m = report["machine"]
-    lines = ["# Training targets\n", f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
-             f"{m['threads']} threads, measured fp32 matmul {m['matmul_fp32_gflops']:.0f} GFLOP/s.\n",
+    lines = ["# Training targets\n", (f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, "
+             f"{m['threads']} threads, measured fp32 matmul {m['matmul_fp32_gflops']:.0f} GFLOP/s.\n"),
              "| run | steps | wall s | tokens/s | MFU | final val loss | unigram | below unigram at | MaxVio last 20 | floor | q̄ | MQAR acc | MQAR acc (4x) | needle acc (4x) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in report["runs"]:
         f = r["final"]
         below = r.get("below_unigram")
+        below_at = f"step {below['step']} (~{below['approx_s']:.0f}s)" if below else "-"
         lines.append(
             f"| {r['name']} | {r['steps']} | {r['wall_s']:.0f} | {r['tokens_per_s_median']:.0f} | {r['mfu_median']:.3f} | "
             f"{f.get('val_loss', float('nan')):.3f} | {f.get('unigram_loss', float('nan')):.3f} | "
-            f"{'step %d (~%.0fs)' % (below['step'], below['approx_s']) if below else '-'} | "
+            f"{below_at} | "
             f"{r['max_vio_last20'] if r['max_vio_last20'] is None else round(r['max_vio_last20'], 4)} | {r['max_vio_floor']:.4f} | "
             f"{r['q_bar']:.0f} | {f.get('mqar_acc', float('nan')):.3f} | {f.get('mqar_acc_4x', float('nan')):.3f} | "
             f"{f.get('needle_acc', float('nan')):.3f} |"
@@ -153,7 +157,6 @@ def _markdown(report: dict) -> str:
         if "sample" in r and r["name"] == "default":
             lines.append(f"\nSample after the default run: `{r['sample']!r}`")
     return "\n".join(lines) + "\n"
-
 
 
 # --- two jobs on one machine ------------------------------------------------------------------------------------
@@ -225,8 +228,11 @@ def two_jobs(steps: int, rounds: int, timeout_s: float) -> dict:
                     row["threads_alone" if k == 1 else "threads_together"] = threads[0] if k == 1 else threads
                 row["slowdown"] = max(row["together_s"]) / row["alone_s"]
                 rows[name].append(row)
-                print(f"round {r + 1} {name}: alone {row['alone_s']:.1f} s, together "
-                      f"{', '.join(f'{w:.1f}' for w in row['together_s'])} s: {row['slowdown']:.2f}x", flush=True)
+                print(
+                    f"round {r + 1} {name}: alone {row['alone_s']:.1f} s, together "
+                    f"{', '.join(f'{w:.1f}' for w in row['together_s'])} s: {row['slowdown']:.2f}x",
+                    flush=True,
+                )
     summary = {name: statistics.median(x["slowdown"] for x in runs) for name, runs in rows.items()}
     return {"steps": steps, "rounds": rounds, "cores": cores, "rules": rows, "median_slowdown": summary}
 
@@ -244,12 +250,17 @@ def two_jobs_main(argv: list[str]) -> int:
     machine = machine_info()
     report = {"machine": machine, **two_jobs(args.steps, args.rounds, args.timeout), "load_after": load_info()}
     best = report["median_slowdown"]["default"]
-    targets = [{"target": f"two jobs started together each take <= {TWO_JOBS_TARGET}x one alone (default rule)",
-                "measured": f"{best:.2f}x (median of {args.rounds} rounds)", "met": best <= TWO_JOBS_TARGET}]
+    targets = [
+        {
+            "target": f"two jobs started together each take <= {TWO_JOBS_TARGET}x one alone (default rule)",
+            "measured": f"{best:.2f}x (median of {args.rounds} rounds)",
+            "met": best <= TWO_JOBS_TARGET,
+        }
+    ]
     lines = ["# Two jobs on one machine (`python benchmarks/train.py two-jobs`)", "",
-             f"Machine: {machine['cpu']}, {report['cores']} physical cores, torch {machine['torch']}. "
+             (f"Machine: {machine['cpu']}, {report['cores']} physical cores, torch {machine['torch']}. "
              f"`k3 train --preset tiny --steps {args.steps}`, wall time from start to exit (imports, tokenizer, "
-             "checkpoints included).  ",
+             "checkpoints included).  "),
              f"Load before / after: `{machine['load_before']}` / `{report['load_after']}`.", "",
              *targets_table(targets, "a second job on the same cores"), "",
              "| rule | round | threads alone | alone s | threads together | together s | slowdown |",
@@ -259,9 +270,9 @@ def two_jobs_main(argv: list[str]) -> int:
             lines.append(f"| {name} | {i + 1} | {x['threads_alone']} | {x['alone_s']:.1f} | "
                          f"{' / '.join(x['threads_together'])} | {' / '.join(f'{w:.1f}' for w in x['together_s'])} | "
                          f"{x['slowdown']:.2f}x |")  # fmt: skip
-    lines += ["", "Slowdown: the slower of the two jobs started together over the job alone, in the same round. The "
+    lines += ["", ("Slowdown: the slower of the two jobs started together over the job alone, in the same round. The "
               "default rule is openk3's (`openk3/threads.py`): threads from the cores free at start, OpenMP threads "
-              "that wait sleep; the rule before it took every physical core and let waiting threads spin."]  # fmt: skip
+              "that wait sleep; the rule before it took every physical core and let waiting threads spin.")]  # fmt: skip
     markdown = "\n".join(lines) + "\n"
     print(markdown)
     write_report(report, args.out, markdown)

@@ -97,8 +97,11 @@ def tower_throughput(rate_gflops: float, repeats: int) -> list[dict]:
         rows.append({"image": f"{side}x{side}", "patches": L, "grid": [t, h, w], "seconds": best,
                      "patches_per_s": L / best, "gflop": flops / 1e9, "gflops_per_s": flops / best / 1e9,
                      "share_of_matmul_rate": flops / best / 1e9 / rate_gflops, "repeats": repeats})  # fmt: skip
-        print(f"tower {side}^2: {L} patches in {best:.2f} s = {L / best:.0f} patches/s, "
-              f"{flops / best / 1e9:.1f} GFLOP/s ({flops / best / 1e9 / rate_gflops:.0%} of matmul)", flush=True)
+        print(
+            f"tower {side}^2: {L} patches in {best:.2f} s = {L / best:.0f} patches/s, "
+            f"{flops / best / 1e9:.1f} GFLOP/s ({flops / best / 1e9 / rate_gflops:.0%} of matmul)",
+            flush=True,
+        )
     return rows
 
 
@@ -111,8 +114,15 @@ def run_main(args, common) -> dict:
                     "chance": base[k]} for k in sorted(base)}  # fmt: skip
     curve = [{k: v for k, v in r.items() if k in ("step", "elapsed_s", "val_loss") or k.startswith("vision_")}
              for r in read_metrics(trainer.run_dir) if "vision_exact" in r]  # fmt: skip
-    return {"steps": args.main_steps, "seconds": seconds, "per_kind": per_kind, "exact": last["vision_exact"],
-            "exact_blank": last["vision_exact_blank"], "config": json.loads(trainer.cfg.to_json()), "curve": curve}
+    return {
+        "steps": args.main_steps,
+        "seconds": seconds,
+        "per_kind": per_kind,
+        "exact": last["vision_exact"],
+        "exact_blank": last["vision_exact_blank"],
+        "config": json.loads(trainer.cfg.to_json()),
+        "curve": curve,
+    }
 
 
 def run_stability(args, common) -> tuple[list[dict], dict]:
@@ -216,8 +226,12 @@ def render(result: dict) -> tuple[list[dict], str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="main,stability,tower", help="which parts to run; the others are kept from an "
-                   "earlier report at --out (so the parts may run at different times)")
+    p.add_argument(
+        "--parts",
+        default="main,stability,tower",
+        help="which parts to run; the others are kept from an "
+        "earlier report at --out (so the parts may run at different times)",
+    )
     p.add_argument("--main-steps", type=int, default=740, help="steps of the from-scratch run")
     p.add_argument("--main-evals", type=int, default=3, help="evaluations during it (each ~20 s of the 15 minutes)")
     p.add_argument("--batch-size", type=int, default=32)
@@ -228,8 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stability-steps", type=int, default=300, help="joint steps per stability run")
     p.add_argument("--contrastive-steps", type=int, default=300)
     p.add_argument("--contrastive-lr", type=float, default=1e-3)
-    p.add_argument("--stability-kinds", default="text,count,colour", help="task kinds of the stability runs (text "
-                   "alone: the contrastive stage stays near chance in 300 steps, so it would compare nothing)")
+    p.add_argument(
+        "--stability-kinds",
+        default="text,count,colour",
+        help="task kinds of the stability runs (text "
+        "alone: the contrastive stage stays near chance in 300 steps, so it would compare nothing)",
+    )
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--run", default="runs/bench-vision", help="run folders go under it (replaced)")
     p.add_argument("--out", default=None, help=out_help("vision-cpu"))

@@ -131,9 +131,12 @@ def main() -> None:
     parser.add_argument("--shapes", default="16x256,32x256,128x64", help="rows x seq_len per step, comma separated")
     parser.add_argument("--bins", type=int, default=1000)
     parser.add_argument("--ema", type=float, default=0.5, help="the damped variant's --balance-ema")
-    parser.add_argument("--out", default="runs/experiments/balance-diagnosis",
-                   help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
-                   "--out benchmarks/results/balance-diagnosis replaces the committed result)")
+    parser.add_argument(
+        "--out",
+        default="runs/experiments/balance-diagnosis",
+        help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
+        "--out benchmarks/results/balance-diagnosis replaces the committed result)",
+    )
     args = parser.parse_args()
     model, ckpt = load_model(args.ckpt, dtype=torch.float32)
     model.eval()

@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                                 "distribution the student is trained to match)").parse_args(argv)  # fmt: skip
     tokenizer, _, keys, runs = model_runs(args)
     result: dict = {"tasks": args.tasks, "first": args.first, "temperature": args.temperature, "eval": {}}
-    evaluations = distill.evaluate_models(runs, args.tasks, distill.RECIPE_BUDGETS, temperature=args.temperature,
-                                          tokenizer=tokenizer, first=args.first)
+    evaluations = distill.evaluate_models(
+        runs, args.tasks, distill.RECIPE_BUDGETS, temperature=args.temperature, tokenizer=tokenizer, first=args.first
+    )
     for name, _, got, seconds in evaluations:
         result["eval"][name] = got
         print(f"{name}: {got} ({seconds:.0f} s)", flush=True)

@@ -127,12 +127,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--tokens", type=int, default=256, help="output tokens per request")
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
-    p.add_argument("--extra", action="append", default=[], metavar="NAME=PATH",
-                   help="another tree measured beside them (e.g. one change alone on top of the base)")
+    p.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="another tree measured beside them (e.g. one change alone on top of the base)",
+    )
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="runs/experiments/engine-step",
-                   help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
-                   "--out benchmarks/results/engine-step replaces the committed result)")
+    p.add_argument(
+        "--out",
+        default="runs/experiments/engine-step",
+        help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
+        "--out benchmarks/results/engine-step replaces the committed result)",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -176,12 +184,16 @@ def markdown(r: dict) -> str:
     lines = [
         "# Engine step: before / after",
         "",
-        f"`python experiments/engine_step_ab.py` — `{a['preset']}` random-weight model, {a['prompt']}-token prompts, "
-        f"{a['tokens']} output tokens per request (seeded sampling, temperature 0.8, top-p 0.9, `ignore_eos`), "
-        f"one CPU thread per process, {a['repeats']} alternating rounds; {r['wall_s']:.0f} s in all.",
+        (
+            f"`python experiments/engine_step_ab.py` — `{a['preset']}` random-weight model, {a['prompt']}-token prompts, "
+            f"{a['tokens']} output tokens per request (seeded sampling, temperature 0.8, top-p 0.9, `ignore_eos`), "
+            f"one CPU thread per process, {a['repeats']} alternating rounds; {r['wall_s']:.0f} s in all."
+        ),
         "Trees: " + ", ".join(f"{n} `{p}`" for n, p in r["trees"].items()) + ".",
-        f"Machine: {m.get('cpu', '?')}; load before `{m.get('load_before', '?')}`, after `{m.get('load_after', '?')}` "
-        "(a shared machine: the spread is real).",
+        (
+            f"Machine: {m.get('cpu', '?')}; load before `{m.get('load_before', '?')}`, after `{m.get('load_after', '?')}` "
+            "(a shared machine: the spread is real)."
+        ),
     ]
     for metric, title in METRICS.items():
         lines += ["", f"## {title}", "",

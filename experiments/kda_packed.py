@@ -94,9 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--update-from", default=None, help="a k3 rl run whose warm start the RL update A/B samples from")
-    p.add_argument("--out", default="runs/experiments/kda-packed",
-                   help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
-                   "--out benchmarks/results/kda-packed replaces the committed result)")
+    p.add_argument(
+        "--out",
+        default="runs/experiments/kda-packed",
+        help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
+        "--out benchmarks/results/kda-packed replaces the committed result)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     default = chunk._LOCKSTEP_MAX_WORK

@@ -188,9 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/experiments/vision-glyph",
-                   help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
-                   "--out benchmarks/results/vision-glyph replaces the committed result)")
+    p.add_argument(
+        "--out",
+        default="runs/experiments/vision-glyph",
+        help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
+        "--out benchmarks/results/vision-glyph replaces the committed result)",
+    )
     args = p.parse_args(argv)
     machine = report.machine_info()
     runs = [train(m, args, colours == "bw", placement == "aligned") for placement in args.placement.split(",")

@@ -106,9 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", default="runs/bench-vision-joint",
                    help="run folders (a finished task is not rerun, one cut short is resumed)")  # fmt: skip
-    p.add_argument("--out", default="runs/experiments/vision-joint",
-                   help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
-                   "--out benchmarks/results/vision-joint replaces the committed result)")
+    p.add_argument(
+        "--out",
+        default="runs/experiments/vision-joint",
+        help="JSON path or the path without .json, the .md beside it (default under runs/, not committed; "
+        "--out benchmarks/results/vision-joint replaces the committed result)",
+    )
     args = p.parse_args(argv)
     for task in args.tasks.split(","):
         try:

@@ -1,21 +1,21 @@
 """The `k3` command line: maps plain flags onto the library.
 
-    k3 init --preset tiny --out DIR [--seed N]           random checkpoint with non-trivial values in every tensor
-    k3 generate --ckpt DIR --prompt TEXT [...]           continuation (the checkpoint's tokenizer, else bytes)
-    k3 info (--ckpt DIR | --preset NAME)                 layer schedule and parameter counts
-    k3 demo [--out DIR]                                  the README's main job: init tiny -> save -> reload -> generate
-    k3 train --preset tiny --out DIR [...]               train (README's main job), resumable with --resume
-    k3 plot RUN_DIR [RUN_DIR ...]                        PNG plots of a run (training or RL); several: compared
-    k3 rl --task calculator,files --out DIR [...]        agentic RL in sandboxes (SFT warm start, GRPO, routing replay)
-    k3 export --ckpt DIR --out DIR                       a training checkpoint or run in the release format (bf16 + fp32)
-    k3 export --ckpt DIR --format gguf --out FILE        ... or as a llama.cpp kimi-k3 GGUF (--outtype f32|bf16)
-    k3 tokenizer train --out DIR [--data PATH]           a byte-level BPE for a preset's vocabulary
-    k3 serve --ckpt DIR [--host H] [--port P]             OpenAI-compatible server (/v1/completions, /v1/chat/...)
-    k3 chat --ckpt DIR [--no-thinking]                   interactive terminal chat with streaming
-    k3 plan (--ckpt DIR | --preset NAME) [...]           hybrid-cache bytes per token and request vs all-MLA
-    k3 bench NAME [...]                                  the checkout's benchmarks/NAME.py, run as a script (`--help`)
-    k3 sandbox serve [--socket PATH] [...]               a sandbox fleet behind a Unix socket (owns the sandboxes)
-    k3 sandbox (create|exec|snapshot|restore|fork|ls|rm) [...]   talk to it; `k3 sandbox bench` measures the backend
+k3 init --preset tiny --out DIR [--seed N]           random checkpoint with non-trivial values in every tensor
+k3 generate --ckpt DIR --prompt TEXT [...]           continuation (the checkpoint's tokenizer, else bytes)
+k3 info (--ckpt DIR | --preset NAME)                 layer schedule and parameter counts
+k3 demo [--out DIR]                                  the README's main job: init tiny -> save -> reload -> generate
+k3 train --preset tiny --out DIR [...]               train (README's main job), resumable with --resume
+k3 plot RUN_DIR [RUN_DIR ...]                        PNG plots of a run (training or RL); several: compared
+k3 rl --task calculator,files --out DIR [...]        agentic RL in sandboxes (SFT warm start, GRPO, routing replay)
+k3 export --ckpt DIR --out DIR                       a training checkpoint or run in the release format (bf16 + fp32)
+k3 export --ckpt DIR --format gguf --out FILE        ... or as a llama.cpp kimi-k3 GGUF (--outtype f32|bf16)
+k3 tokenizer train --out DIR [--data PATH]           a byte-level BPE for a preset's vocabulary
+k3 serve --ckpt DIR [--host H] [--port P]             OpenAI-compatible server (/v1/completions, /v1/chat/...)
+k3 chat --ckpt DIR [--no-thinking]                   interactive terminal chat with streaming
+k3 plan (--ckpt DIR | --preset NAME) [...]           hybrid-cache bytes per token and request vs all-MLA
+k3 bench NAME [...]                                  the checkout's benchmarks/NAME.py, run as a script (`--help`)
+k3 sandbox serve [--socket PATH] [...]               a sandbox fleet behind a Unix socket (owns the sandboxes)
+k3 sandbox (create|exec|snapshot|restore|fork|ls|rm) [...]   talk to it; `k3 sandbox bench` measures the backend
 """
 
 from __future__ import annotations
@@ -291,8 +291,6 @@ def cmd_demo(args) -> int:
     print("reloaded; sample (random weights, so expect noise):")
     _generate(model, args.prompt, args)
     return 0
-
-
 
 
 def cmd_train(args) -> int:
@@ -666,7 +664,9 @@ def _add_training_commands(sub) -> None:
     p.set_defaults(func=cmd_plot)
 
     p = sub.add_parser("export", help="write a checkpoint in the release format and dtypes, or as a llama.cpp GGUF")
-    p.add_argument("--ckpt", required=True, help="a training checkpoint, a training run (its latest), or a release folder")
+    p.add_argument(
+        "--ckpt", required=True, help="a training checkpoint, a training run (its latest), or a release folder"
+    )
     p.add_argument("--out", required=True, help="a folder (safetensors) or the .gguf file (gguf)")
     p.add_argument("--format", choices=["safetensors", "gguf"], default="safetensors",
                    help="safetensors: the release format; gguf: one file in llama.cpp's kimi-k3 format")  # fmt: skip

@@ -20,8 +20,9 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from openk3.utils import FP32_EXP_LIMIT, file_inside, read_json
 
@@ -208,7 +209,10 @@ class QuantizationConfig(_JsonSection):
 class K3TextConfig(_JsonSection):
     """`text_config`: the language model. Defaults are the released K3 values."""
 
-    _NESTED: ClassVar[dict[str, type]] = {"linear_attn_config": LinearAttnConfig, "quantization_config": QuantizationConfig}
+    _NESTED: ClassVar[dict[str, type]] = {
+        "linear_attn_config": LinearAttnConfig,
+        "quantization_config": QuantizationConfig,
+    }
 
     vocab_size: int = 163840
     hidden_size: int = 7168
@@ -267,11 +271,11 @@ class K3TextConfig(_JsonSection):
 
     # Layer schedule; everything else derives from these three functions.
     def layer_kind(self, layer: int) -> str:
-        """"kda" or "mla" for 0-based `layer`."""
+        """ "kda" or "mla" for 0-based `layer`."""
         return "kda" if layer + 1 in self._kda_set else "mla"
 
     def ffn_kind(self, layer: int) -> str:
-        """"dense" or "moe" for 0-based `layer` (the released rule: MoE iff l >= first_k_dense_replace and
+        """ "dense" or "moe" for 0-based `layer` (the released rule: MoE iff l >= first_k_dense_replace and
         l % moe_layer_freq == 0)."""
         return "moe" if layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0 else "dense"
 
@@ -308,7 +312,10 @@ class K3TextConfig(_JsonSection):
             ids = getattr(la, name)
             if not isinstance(ids, (list, tuple)) or not all(map(_is_int, ids)):
                 raise ValueError(f"text_config.linear_attn_config.{name} must be a list of integers, got {_show(ids)}")
-        if any(self.ffn_kind(layer) == "dense" for layer in range(self.num_hidden_layers)) and self.intermediate_size <= 0:
+        if (
+            any(self.ffn_kind(layer) == "dense" for layer in range(self.num_hidden_layers))
+            and self.intermediate_size <= 0
+        ):
             raise ValueError(f"text_config.intermediate_size must be positive, got {self.intermediate_size!r}")
         if self.num_experts_per_token > self.num_experts:
             raise ValueError(
@@ -327,7 +334,9 @@ class K3TextConfig(_JsonSection):
         if self.hidden_act != "situ":
             raise ValueError(f"text_config.hidden_act: only 'situ' is supported, got {self.hidden_act!r}")
         if self.moe_router_activation_func != "sigmoid":
-            raise ValueError(f"text_config.moe_router_activation_func: only 'sigmoid', got {self.moe_router_activation_func!r}")
+            raise ValueError(
+                f"text_config.moe_router_activation_func: only 'sigmoid', got {self.moe_router_activation_func!r}"
+            )
         if self.topk_method != "noaux_tc":
             raise ValueError(f"text_config.topk_method: only 'noaux_tc' is supported, got {self.topk_method!r}")
         if self.num_expert_group != 1 or self.topk_group != 1:
@@ -344,7 +353,9 @@ class K3TextConfig(_JsonSection):
             if token is not None and not (_is_int(token) and 0 <= token < self.vocab_size):
                 raise ValueError(f"text_config.{name} ({token!r}) is outside the vocabulary of {self.vocab_size}")
         if not la.use_full_rank_gate:
-            raise ValueError("text_config.linear_attn_config.use_full_rank_gate must be true (K3's g_proj is full rank)")
+            raise ValueError(
+                "text_config.linear_attn_config.use_full_rank_gate must be true (K3's g_proj is full rank)"
+            )
         if not (la.gate_lower_bound < 0 and _KDA_TILE * abs(la.gate_lower_bound) < FP32_EXP_LIMIT):
             raise ValueError(
                 f"text_config.linear_attn_config.gate_lower_bound ({la.gate_lower_bound}) must be negative with "
@@ -362,7 +373,9 @@ class K3TextConfig(_JsonSection):
                 )
         both = sorted(set(kda) & set(full))
         if both:
-            raise ValueError(f"text_config.linear_attn_config: layers {both} are in both kda_layers and full_attn_layers")
+            raise ValueError(
+                f"text_config.linear_attn_config: layers {both} are in both kda_layers and full_attn_layers"
+            )
         missing = sorted(all_layers - set(kda) - set(full))
         if missing:
             raise ValueError(
@@ -501,7 +514,9 @@ def _scaled(
 
 def preset_k3() -> K3Config:
     """The released Kimi K3 text model (2.78T total, 104.2B active), with its MXFP4 quantization config."""
-    return K3Config(text_config=K3TextConfig(quantization_config=QuantizationConfig()), vision_config=_vision_config_k3())
+    return K3Config(
+        text_config=K3TextConfig(quantization_config=QuantizationConfig()), vision_config=_vision_config_k3()
+    )
 
 
 def preset_tiny() -> K3Config:
@@ -541,8 +556,13 @@ def preset_tiny_vl() -> K3Config:
     return config
 
 
-PRESETS = {"k3": preset_k3, "medium": preset_medium, "small": preset_small, "tiny": preset_tiny,
-           "tiny-vl": preset_tiny_vl}
+PRESETS = {
+    "k3": preset_k3,
+    "medium": preset_medium,
+    "small": preset_small,
+    "tiny": preset_tiny,
+    "tiny-vl": preset_tiny_vl,
+}
 # The presets the text-only commands (k3 init/plan/tokenizer) offer: tiny-vl is built with K3ForConditionalGeneration,
 # and only `k3 train` (--data vision) feeds it images.
 TEXT_PRESETS = tuple(sorted(name for name in PRESETS if name != "tiny-vl"))

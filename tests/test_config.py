@@ -8,12 +8,11 @@ import os
 
 import pytest
 import torch
+from config_edit import edited_preset
+from fixture_paths import MXFP4, PLAIN
 
 from openk3.config import K3Config, K3TextConfig, LinearAttnConfig
 from openk3.model.model import K3ForCausalLM
-
-from config_edit import edited_preset
-from fixture_paths import MXFP4, PLAIN
 
 
 @pytest.mark.parametrize("folder", [PLAIN, MXFP4])

@@ -10,7 +10,7 @@ import pytest
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 
-from openk3.train.plot import loss_figure, max_vio_figure, plot_run  # noqa: E402
+from openk3.train.plot import loss_figure, max_vio_figure, plot_run
 
 
 def _rows(steps: int = 12, layers: int = 3) -> list[dict]:

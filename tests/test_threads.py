@@ -94,7 +94,9 @@ def test_openmp_threads_wait_passively_unless_the_user_says_otherwise():
         pytest.skip("torch here does not use libgomp")
     assert "OMP_WAIT_POLICY = 'PASSIVE'" in shown
     env["OMP_WAIT_POLICY"] = "ACTIVE"
-    shown = subprocess.run([sys.executable, "-c", "import openk3"], env=env, capture_output=True, text=True, check=True).stderr
+    shown = subprocess.run(
+        [sys.executable, "-c", "import openk3"], env=env, capture_output=True, text=True, check=True
+    ).stderr
     assert "OMP_WAIT_POLICY = 'ACTIVE'" in shown
 
 

@@ -24,10 +24,8 @@ release), plain otherwise (openk3 checkpoints trained before the markers were na
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-
-from collections.abc import Iterable
 
 from openk3.data.jinja_sandbox import SandboxedRenderer, TemplateError, compile_check
 from openk3.data.xtml import Segment, encode_xtml, missing_markers, render_xtml, require_markers

@@ -125,7 +125,7 @@ class SandboxedRenderer:
     def __del__(self) -> None:
         try:
             self._kill()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown: nothing left to report to
             pass
 
 

@@ -46,7 +46,7 @@ class TokenStream:
 
 def corpus_key(docs, tokenizer) -> str:
     """Hash of the tokenizer's fingerprint and every document's source and text (order matters)."""
-    h = hashlib.sha256(f"openk3-tokens-v{CACHE_FORMAT}\0{tokenizer.fingerprint}\0".encode("utf-8"))
+    h = hashlib.sha256(f"openk3-tokens-v{CACHE_FORMAT}\0{tokenizer.fingerprint}\0".encode())
     for doc in docs:
         for part in (doc.source, doc.text):
             data = part.encode("utf-8")

@@ -45,13 +45,11 @@ class PackedBatch:
         return int((self.labels != IGNORE_INDEX).sum())
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
-        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)
         return PackedBatch(move(self.input_ids), move(self.labels), self.doc_lens, move(self.answer_mask))
 
 
-def window_to_row(
-    window_N: torch.Tensor, doc_N: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def window_to_row(window_N: torch.Tensor, doc_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """One row from a window of L + 1 tokens and their document ids (PAD_DOC for padding):
     (input_ids [L], labels [L], doc_lens). Segments are maximal runs of one document id among the inputs."""
     input_L, label_L = window_N[:-1].long(), window_N[1:].long()
@@ -67,9 +65,7 @@ def window_to_row(
 
 
 def stack_rows(rows: list[tuple[torch.Tensor, torch.Tensor, list[int]]]) -> PackedBatch:
-    return PackedBatch(
-        torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]), [r[2] for r in rows]
-    )
+    return PackedBatch(torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]), [r[2] for r in rows])
 
 
 def wrap_documents(
@@ -117,9 +113,7 @@ def pack_documents(
         yield stack_rows(rows)
 
 
-def pad_window(
-    window: torch.Tensor, doc: torch.Tensor, length: int, pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_window(window: torch.Tensor, doc: torch.Tensor, length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-pad a short window (and its document ids, with PAD_DOC) to `length`."""
     missing = length - len(window)
     return (

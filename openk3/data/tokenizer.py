@@ -170,7 +170,9 @@ class BPETokenizer:
         return cls(tok, **names)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, special_ids: dict[str, int], split_digits: bool = False) -> BPETokenizer:
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, special_ids: dict[str, int], split_digits: bool = False
+) -> BPETokenizer:
     """Train a byte-level BPE whose base ranks fill [0, vocab_size - 256) and whose 256 specials sit on top.
 
     `special_ids` maps a role to its id, e.g. `{"bos": 768, "eos": 770, "pad": 1023}` (take them from the model
@@ -238,7 +240,8 @@ def split_long_text(text: str, max_run: int = MAX_NO_WHITESPACES_CHARS) -> Itera
     """K3's long-input splitting: 400,000-character windows, each cut so that no piece holds a run of whitespace or of
     non-whitespace longer than `max_run` characters (a run is cut every `max_run` characters from its start).
     Equivalent to the released per-character loop, found with a regex instead (`\\s` is `str.isspace` in `re`)."""
-    long_run = re.compile(r"\s{%d,}|\S{%d,}" % (max_run + 1, max_run + 1))
+    n = max_run + 1
+    long_run = re.compile(rf"\s{{{n},}}|\S{{{n},}}")
     for w in range(0, max(len(text), 1), TIKTOKEN_MAX_ENCODE_CHARS):
         window = text[w : w + TIKTOKEN_MAX_ENCODE_CHARS]
         start = 0
@@ -442,7 +445,10 @@ def load_tokenizer(path: str | os.PathLike | None, text_config, pattern: str | N
     the byte-level fallback. `text_config` is the model's `K3TextConfig` (anything with vocab_size, bos_token_id,
     eos_token_id, pad_token_id); the tokenizer's size and special ids must agree with it."""
     vocab, bos, eos, pad = (
-        text_config.vocab_size, text_config.bos_token_id, text_config.eos_token_id, text_config.pad_token_id
+        text_config.vocab_size,
+        text_config.bos_token_id,
+        text_config.eos_token_id,
+        text_config.pad_token_id,
     )
     if path is not None and os.path.exists(os.path.join(path, "tokenizer.json")):
         tok, source = BPETokenizer.from_dir(path), os.path.join(path, "tokenizer.json")

@@ -94,7 +94,7 @@ def _is_int(v: Any) -> bool:
 def _check_cfg(cfg: dict[str, Any]) -> dict[str, Any]:
     """Fill missing keys with the release values and validate; a bad value raises ValueError naming its key."""
     if not isinstance(cfg, dict):
-        raise ValueError(f"media_proc_cfg must be a dict, got {type(cfg).__name__}")  # noqa: TRY004 (one error type for callers)
+        raise ValueError(f"media_proc_cfg must be a dict, got {type(cfg).__name__}")
     out = {**RELEASE_MEDIA_PROC_CFG, **cfg}
     for key in ("patch_size", "merge_kernel_size", "in_patch_limit", "patch_limit_on_one_side"):
         if not _is_int(out[key]) or out[key] < 1:
@@ -161,7 +161,7 @@ def load_media_proc_cfg(checkpoint_dir: str | os.PathLike) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object")  # noqa: TRY004
+        raise ValueError(f"{path}: expected a JSON object")
     cfg = data.get("media_proc_cfg", {})
     if cfg is None:
         cfg = {}
@@ -231,7 +231,7 @@ def _to_rgb(image: Image.Image, bg: dict[str, Any] | None) -> Image.Image:
 
 def _validate_image(image: Any, max_pixels: int) -> Image.Image:
     if not isinstance(image, Image.Image):
-        raise ValueError(f"expected a PIL.Image.Image, got {type(image).__name__}")  # noqa: TRY004 (a 400 upstream)
+        raise ValueError(f"expected a PIL.Image.Image, got {type(image).__name__}")
     w, h = image.size
     if w < 1 or h < 1:
         raise ValueError(f"image has zero size ({w} x {h})")

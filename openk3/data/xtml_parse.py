@@ -44,6 +44,7 @@ import re
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from openk3.data.detokenizer import IncrementalDetokenizer
 from openk3.data.xtml import CLOSE, END_OF_MSG, MARKERS, OPEN, SEP, require_markers
@@ -413,7 +414,7 @@ class XTMLParser:
 class _CharTokenizer:
     """Text with XTML markers spelled out, as ids: the markers are 0-3, any other character 4 + its code point."""
 
-    special_ids = {m: i for i, m in enumerate(MARKERS)}
+    special_ids: ClassVar[dict[str, int]] = {m: i for i, m in enumerate(MARKERS)}
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []

@@ -86,7 +86,7 @@ class ForwardBatch:
     @classmethod
     def from_rows(cls, input_ids_RL: torch.Tensor, doc_lens: list[list[int]]) -> ForwardBatch:
         """Rows of packed documents: `doc_lens[r]` are the document lengths of row r, summing to the row length."""
-        R, L = input_ids_RL.shape
+        _R, L = input_ids_RL.shape
         for r, lens in enumerate(doc_lens):
             if sum(lens) != L or min(lens, default=0) <= 0:
                 raise ValueError(f"row {r}: document lengths {lens} must be positive and sum to the row length {L}")
@@ -94,7 +94,9 @@ class ForwardBatch:
 
     def segment_ids(self, device: torch.device) -> torch.Tensor:
         """[R, L] document index of every token of the row view (valid when `row_len` is set)."""
-        seg = torch.repeat_interleave(torch.arange(self.num_seqs, device=device), torch.tensor(self.seq_lens, device=device))
+        seg = torch.repeat_interleave(
+            torch.arange(self.num_seqs, device=device), torch.tensor(self.seq_lens, device=device)
+        )
         return seg.view(-1, self.row_len)
 
     @property

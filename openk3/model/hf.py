@@ -29,7 +29,7 @@ import logging
 import os
 import re
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -84,7 +84,7 @@ def weight_files(path: str) -> dict[str, str]:
     single = file_inside(path, SINGLE_FILE)
     if os.path.exists(single):
         with _open_safetensors(single) as f:
-            return {k: single for k in f.keys()}
+            return {k: single for k in f}
     pickles = [n for n in os.listdir(path) if n.endswith(PICKLE_SUFFIXES)]
     if pickles:
         raise ValueError(

@@ -166,9 +166,7 @@ class K3ForCausalLM(nn.Module):
         """
         std = self.text_config.initializer_range
         for name, p in self.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                p.zero_()
-            elif name.endswith("A_log") or name.endswith("e_score_correction_bias"):
+            if name.endswith(("_res_proj.weight", "A_log", "e_score_correction_bias")):
                 p.zero_()
             elif name.endswith("dt_bias"):
                 dt = torch.exp(torch.empty(p.shape).uniform_(math.log(1e-3), math.log(1e-1), generator=generator))

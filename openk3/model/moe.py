@@ -78,7 +78,9 @@ GATHER_MAX_BYTES = 2**20
 FUSED_MAX_TOKENS = 8
 
 
-def local_dispatch(z_TL: torch.Tensor, idx_Tk: torch.Tensor, w_Tk: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+def local_dispatch(
+    z_TL: torch.Tensor, idx_Tk: torch.Tensor, w_Tk: torch.Tensor, experts: GroupedExperts
+) -> torch.Tensor:
     """Group tokens by expert, run each expert once on its rows (the weights as views), then add each token's k
     weighted outputs in fp32, in ascending expert id (the order `route_topk` returns). With fewer (token, expert)
     pairs than experts (decode, speculative verify) and small experts, each pair instead gets its expert's weights
@@ -106,7 +108,7 @@ def fused_dispatch(fused, z_TL, idx_Tk, w_Tk, experts: GroupedExperts) -> torch.
 
 
 def grouped_dispatch(z_TL, idx_Tk, w_Tk, experts: GroupedExperts) -> torch.Tensor:
-    T, k = idx_Tk.shape
+    _T, k = idx_Tk.shape
     flat = idx_Tk.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     counts = torch.bincount(flat, minlength=experts.w1.shape[0]).tolist()
@@ -121,7 +123,7 @@ def grouped_dispatch(z_TL, idx_Tk, w_Tk, experts: GroupedExperts) -> torch.Tenso
 
 
 def gathered_dispatch(z_TL, idx_Tk, w_Tk, experts: GroupedExperts) -> torch.Tensor:
-    T, k = idx_Tk.shape
+    _T, k = idx_Tk.shape
     flat = idx_Tk.reshape(-1)  # P = T*k pairs
     z_P1L = z_TL.repeat_interleave(k, dim=0)[:, None]
     a = widen.matmul(z_P1L, experts.w1[flat].transpose(1, 2))  # [P, 1, F]

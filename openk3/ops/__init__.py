@@ -7,7 +7,13 @@ from openk3.ops.attention.ref import causal_attention, causal_attention_ref
 from openk3.ops.attnres import attn_res_mix
 from openk3.ops.conv import short_conv, short_conv_ref
 from openk3.ops.kda import (
-    compose_summaries, entry_states, kda_chunked, kda_chunked_tiles, kda_gate, kda_recurrent, kda_segment_summary,
+    compose_summaries,
+    entry_states,
+    kda_chunked,
+    kda_chunked_tiles,
+    kda_gate,
+    kda_recurrent,
+    kda_segment_summary,
     kda_step,
 )  # fmt: skip
 from openk3.ops.moe.mxfp4 import mxfp4_pack, mxfp4_unpack

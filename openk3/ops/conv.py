@@ -97,7 +97,9 @@ def _last_rows(full_NSC: torch.Tensor, lengths_N: torch.Tensor, count: int) -> t
 
 
 @fp32_op
-def short_conv_few(x_NTC: torch.Tensor, weight_C1W: torch.Tensor, tail_NWC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def short_conv_few(
+    x_NTC: torch.Tensor, weight_C1W: torch.Tensor, tail_NWC: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`short_conv` for a few tokens per sequence (a decode step, a speculative verify), every row real, written as
     a multiply-add over the W taps instead of a conv1d launch: the decode loop runs it three times per KDA layer per
     token, where conv1d's fixed cost dominates. Same fp32 math; agrees with `short_conv` to rounding (tested).

@@ -59,7 +59,7 @@ class AllToAllDispatcher:
         return recv_R
 
     def __call__(self, z_TL: torch.Tensor, idx_Tk: torch.Tensor, w_Tk: torch.Tensor, experts: GroupedExperts):
-        T, k = idx_Tk.shape
+        _T, k = idx_Tk.shape
         flat_P = idx_Tk.reshape(-1)
         order_P = torch.argsort(flat_P, stable=True)  # pairs by expert, hence by destination rank
         expert_P = flat_P[order_P]

@@ -79,7 +79,7 @@ class CollectiveRecord:
             group = group if group is not None else dist.group.WORLD
             try:
                 ranks = dist.get_process_group_ranks(group)
-            except Exception:  # the group is gone (destroyed) or was never registered: the name still helps
+            except Exception:  # noqa: BLE001 - the group is gone (destroyed) or was never registered: the name still helps
                 ranks = "?"
             return f"{name} #{seq} on group {getattr(group, 'group_desc', '?')} (ranks {ranks})"
 

@@ -273,7 +273,9 @@ class DistillTrainer(RLTrainer):
         opd_w, task_w, budget_w = self.cfg.weights
         budgets = [self.budget(t, self.step) for t in trajs]
         rewards_S = torch.tensor([task_w * t.reward + budget_w * b for t, b in zip(trajs, budgets)])
-        adv_S = group_advantages(rewards_S, torch.tensor([t.group for t in trajs]), normalize_std=self.cfg.normalize_std)
+        adv_S = group_advantages(
+            rewards_S, torch.tensor([t.group for t in trajs]), normalize_std=self.cfg.normalize_std
+        )
         fields = {"advantages_T": [adv_S[i].expand(len(t.tokens) - 1) for i, t in enumerate(trajs)]}
         metrics = {"budget_penalty_rate": sum(b < 0 for b in budgets) / len(trajs),
                    "tau": {e: self.tau(e, self.step) for e in sorted({t.effort for t in trajs if t.effort})}}  # fmt: skip
@@ -426,4 +428,3 @@ class DistillTrainer(RLTrainer):
 
     def _load_extra_state(self, state: dict) -> None:
         self._resume_b0 = dict(state.get("b0", {}))
-

@@ -508,7 +508,9 @@ class RLTrainer(WarmStart):
 
     def _checkpoint_to_resume(self) -> str | None:
         cfg = self.cfg
-        has_run = any(os.path.exists(os.path.join(cfg.out, name)) for name in ("metrics.jsonl", "sft.jsonl", CHECKPOINTS))
+        has_run = any(
+            os.path.exists(os.path.join(cfg.out, name)) for name in ("metrics.jsonl", "sft.jsonl", CHECKPOINTS)
+        )
         if not cfg.resume:
             if has_run:
                 raise FileExistsError(f"{cfg.out} already holds an RL run: pass --resume to continue it, or another "

@@ -1,8 +1,8 @@
 """`k3 plot RL_RUN`: PNG plots of a `k3 rl` run from its metrics.jsonl.
 
-    reward.png        training reward per step (and its 10-step mean); held-out success per family at the
-                      evaluation steps (greedy, the same test tasks every time), on one figure with two panels
-    logprob_gap.png   the rollout-vs-train log-probability gap per token, with routing replay and without, log scale
+reward.png        training reward per step (and its 10-step mean); held-out success per family at the
+                  evaluation steps (greedy, the same test tasks every time), on one figure with two panels
+logprob_gap.png   the rollout-vs-train log-probability gap per token, with routing replay and without, log scale
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import abc
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import Self
 
 DEFAULT_TIMEOUT_S = 30.0  # an exec's default time limit
 CALL_DEADLINE_S = 60.0  # any other call's: past it, SandboxTimeout (the sandbox is then broken and closed)
@@ -177,7 +178,7 @@ class Sandbox(abc.ABC):
     async def astats(self) -> dict:
         return await asyncio.to_thread(self.stats)
 
-    def __enter__(self) -> Sandbox:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import weakref
+from typing import Self
 
 from openk3.sandbox import image, wire
 from openk3.sandbox.base import (
@@ -289,7 +290,7 @@ class NamespaceBackend:
             sb._shutdown("its backend was closed")
         self._finalizer()
 
-    def __enter__(self) -> NamespaceBackend:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

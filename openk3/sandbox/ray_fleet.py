@@ -19,8 +19,19 @@ from __future__ import annotations
 import collections
 from typing import Self
 
-from openk3.sandbox.base import (CALL_DEADLINE_S, DEFAULT_TIMEOUT_S, CapacityError, DirEntry, ExecResult, Sandbox,
-                                 SandboxClosed, SandboxTimeout, SnapshotRef, State, Unsupported)  # fmt: skip
+from openk3.sandbox.base import (
+    CALL_DEADLINE_S,
+    DEFAULT_TIMEOUT_S,
+    CapacityError,
+    DirEntry,
+    ExecResult,
+    Sandbox,
+    SandboxClosed,  # fmt: skip
+    SandboxTimeout,
+    SnapshotRef,
+    State,
+    Unsupported,
+)
 from openk3.sandbox.fleet import AsyncFleet, Fleet
 
 

@@ -90,8 +90,9 @@ class AsyncLLM:
             raise EngineDead("the engine loop is not running")
         waiting = self.num_waiting()
         if waiting + n > self.max_waiting:
-            raise QueueFull(f"{waiting} sequences are already waiting (limit {self.max_waiting}; "
-                            f"this request adds {n})")
+            raise QueueFull(
+                f"{waiting} sequences are already waiting (limit {self.max_waiting}; this request adds {n})"
+            )
         self._reserved += n
 
     def release(self, n: int) -> None:
@@ -155,7 +156,7 @@ class AsyncLLM:
                         for out in outputs:
                             if out.finished:
                                 self.engine.release_finished(out.request_id)
-            except Exception as err:  # noqa: BLE001 - outside a step's own containment: fail everything open
+            except Exception as err:
                 log.exception("engine loop error; failing every open request")
                 self.error = err
                 with self._lock:

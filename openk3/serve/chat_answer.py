@@ -11,6 +11,7 @@ from openk3.data.xtml_parse import assistant_message
 
 log = logging.getLogger("openk3.serve")
 
+
 class ChatAnswer:
     """One sample's answer in K3's XTML format: output ids in, OpenAI chat deltas and the assistant message out.
 

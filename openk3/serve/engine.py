@@ -61,7 +61,13 @@ from openk3.serve.kv.manager import KVCacheManager
 from openk3.serve.kv.routes import ROUTE_DTYPE, num_moe_layers
 from openk3.serve.protocol import FieldError, chat_request
 from openk3.serve.request import (
-    CompletionOutput, ImageInputs, ImageRows, Request, RequestOutput, SamplingParams, Status,
+    CompletionOutput,
+    ImageInputs,
+    ImageRows,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    Status,
 )  # fmt: skip
 from openk3.serve.runner import ModelRunner
 from openk3.serve.scheduler import Scheduler
@@ -360,7 +366,7 @@ class LLMEngine:
         touched: dict[str, None] = {}
         try:
             self._run(plan, touched)
-        except Exception as err:  # noqa: BLE001 - one bad step fails its own requests, never the engine
+        except Exception as err:
             log.exception("engine step %d failed; failing the requests it ran", self.step_count)
             message = f"the engine step failed: {type(err).__name__}: {err}"
             self._record_failure(message)

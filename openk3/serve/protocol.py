@@ -267,7 +267,7 @@ class ImagePart:
             return open_image(raw, max_pixels)
         except ValueError as err:
             raise FieldError(self.path, f"{self.path}: {err}") from err
-        except Exception as err:  # noqa: BLE001 - whatever a decoder raises on hostile bytes is the client's error
+        except Exception as err:
             raise FieldError(self.path, f"{self.path}: cannot decode the image ({type(err).__name__}: {err})") from err
 
 
@@ -278,7 +278,7 @@ def _image_url(part: dict, path: str) -> ImagePart:
     if isinstance(value, dict):
         value = value.get("url")
     if not isinstance(value, str):
-        raise FieldError(path, f"{path}: an image part needs a URL (e.g. {{\"url\": \"data:image/png;base64,...\"}})")
+        raise FieldError(path, f'{path}: an image part needs a URL (e.g. {{"url": "data:image/png;base64,..."}})')
     return ImagePart(value, f"{path}.{part['type']}")
 
 
@@ -361,9 +361,8 @@ class ChatCompletionRequest(_Request):
     def _consistent(self):
         declared = [t.function.name for t in self.tools or []]
         choice = self.tool_choice
-        if choice == "required" or isinstance(choice, NamedToolChoice):
-            if not declared:
-                raise _field_error("tool_choice", "a required or named tool_choice needs tools")
+        if (choice == "required" or isinstance(choice, NamedToolChoice)) and not declared:
+            raise _field_error("tool_choice", "a required or named tool_choice needs tools")
         if isinstance(choice, NamedToolChoice) and choice.function.get("name") not in declared:
             raise _field_error("tool_choice", f"names the function {choice.function.get('name')!r}, which is not "
                                               f"among tools ({', '.join(declared)})")  # fmt: skip
@@ -487,8 +486,8 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         where = first.get("loc", ("body", "?"))[-1]
-        return f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')} at character "\
-               f"{where})", None  # fmt: skip
+        return (f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'decode error')} at character "\
+               f"{where})"), None  # fmt: skip
     if first.get("type") in ("unsupported", "request_field"):  # request-level checks that name their field
         field = first["ctx"]["field"]
         return f"{field}: {first['msg']}", field

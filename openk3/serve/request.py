@@ -18,6 +18,7 @@ import torch
 
 from openk3.data.detokenizer import IncrementalDetokenizer
 
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16

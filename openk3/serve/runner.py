@@ -70,7 +70,9 @@ class ModelRunner:
                              f"{len(unexpected)} it does not {unexpected[:8]}")  # fmt: skip
         for name, t in target.items():
             if tuple(weights[name].shape) != tuple(t.shape):
-                raise ValueError(f"weight {name} has shape {tuple(weights[name].shape)}; the model's is {tuple(t.shape)}")
+                raise ValueError(
+                    f"weight {name} has shape {tuple(weights[name].shape)}; the model's is {tuple(t.shape)}"
+                )
         for name, t in target.items():
             t.copy_(weights[name])
 

@@ -37,7 +37,6 @@ from openk3.train.config import BALANCE_METHODS as METHODS
 from openk3.train.metrics import expert_loads, max_vio, min_load
 
 
-
 def required_bias(
     scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int, exact_thresholds: bool = False
 ) -> torch.Tensor:

@@ -36,7 +36,7 @@ import os
 import random
 import re
 import shutil
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

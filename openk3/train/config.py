@@ -76,8 +76,7 @@ class TrainConfig:
     activation_checkpointing: bool = flag(False, "recompute activations in backward")
     eval_every: int = flag(50, "evaluate every N steps (and at the end)")
     eval_batches: int = flag(4, "validation batches per evaluation")
-    save_every: int = flag(100, "checkpoint every N steps, and at step 10, on Ctrl-C/SIGTERM and at the "
-                           "end")
+    save_every: int = flag(100, "checkpoint every N steps, and at step 10, on Ctrl-C/SIGTERM and at the end")
     keep_checkpoints: int = flag(2, "complete checkpoints to keep")
     # Training stops with a good checkpoint after this many.
     max_nonfinite: int = flag(5, "non-finite steps in a row before stopping")
@@ -158,7 +157,9 @@ class TrainConfig:
         if not 0 <= self.curriculum < 1:
             raise ValueError(f"--curriculum must be in [0, 1), got {self.curriculum}")
         if self.curriculum > 0 and self.seq_len % 4:
-            raise ValueError(f"--seq-len ({self.seq_len}) must be a multiple of 4 for the curriculum (or --curriculum 0)")
+            raise ValueError(
+                f"--seq-len ({self.seq_len}) must be a multiple of 4 for the curriculum (or --curriculum 0)"
+            )
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.warmup < 1:
             raise ValueError("--lr must be positive, min_lr_ratio in [0, 1], warmup in [0, 1)")
 

@@ -171,4 +171,3 @@ class TrainCore:
         state = load_checkpoint(ckpt, self.model, self.optimizer, self.balancer, self.layout)
         self.nonfinite_total, self.tokens_seen = state.get("nonfinite_total", 0), state.get("tokens_seen", 0)
         return state
-

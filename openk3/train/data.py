@@ -167,4 +167,3 @@ class RunData:
         finally:
             model.train(was_training)
         return prompt + self.tokenizer.decode(out[0, len(ids) :].tolist())
-

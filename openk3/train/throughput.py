@@ -8,7 +8,9 @@ import time
 import torch
 
 
-def matmul_gflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3) -> float:
+def matmul_gflops(
+    device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3
+) -> float:
     """Sustained GFLOP/s of an n x n x n matmul on `device` (best of a short timed loop)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)

@@ -38,7 +38,7 @@ def test_split_is_stable_order_independent_and_pinned():
     assert len(train) + len(val) == 1000 and 0 < len(val) < 30
     # Pinned: a salted hash() or an order-dependent rule would change this list between runs.
     assert [d.source for d in val] == PINNED_VAL
-    train_r, val_r = split_train_val(docs[::-1], val_fraction=0.01, seed=0)
+    _train_r, val_r = split_train_val(docs[::-1], val_fraction=0.01, seed=0)
     assert {d.source for d in val_r} == {d.source for d in val}
     assert {d.source for d in split_train_val(docs, 0.01, seed=1)[1]} != {d.source for d in val}
     # Membership depends on the document alone, not on which other documents exist.

@@ -124,16 +124,16 @@ def test_tokenize_documents_cache_returns_the_same_tokens(tmp_path):
 
 
 def test_random_windows_resume_exactly_and_spread_over_documents():
+    import random
+    import string
+
     from openk3.data.corpus import Document
     from openk3.data.loader import TokenLoader, tokenize_documents
     from openk3.data.tokenizer import ByteTokenizer
 
-    import random
-    import string
-
     docs = [Document("".join(random.Random(i).choices(string.ascii_letters, k=400)), f"d{i}") for i in range(30)]
     stream = tokenize_documents(docs, ByteTokenizer(1024, 768, 770, 1023), progress=False)
-    make = lambda: TokenLoader(stream, 4, 32, 768, 770, 1023, seed=5, random_windows=True)  # noqa: E731
+    make = lambda: TokenLoader(stream, 4, 32, 768, 770, 1023, seed=5, random_windows=True)
     full = make()
     batches = [next(full) for _ in range(6)]
     part = make()

@@ -13,7 +13,12 @@ import pytest
 from openk3.config import K3Config
 from openk3.data.corpus import stdlib_documents
 from openk3.data.tokenizer import (
-    BPETokenizer, ByteTokenizer, TikTokenTokenizer, load_tokenizer, split_long_text, train_bpe,
+    BPETokenizer,
+    ByteTokenizer,
+    TikTokenTokenizer,
+    load_tokenizer,
+    split_long_text,
+    train_bpe,
 )  # fmt: skip
 
 SAMPLES = [
@@ -112,13 +117,14 @@ def test_load_tokenizer_falls_back_to_bytes(tmp_path):
 # (K3) or assigned in __init__ (K2); the loader must read it without executing the file.
 PATTERN_PARTS = [r"""[\p{Han}]+""", r""" ?\p{L}+""", r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
                  r"""\s*[\r\n]+""", r"""\s+(?!\S)""", r"""\s+"""]  # fmt: skip
-_JOIN = "\"|\".join(\n    [\n" + "".join(f"        r\"\"\"{p}\"\"\",\n" for p in PATTERN_PARTS) + "    ]\n)\n"
+_JOIN = '"|".join(\n    [\n' + "".join(f'        r"""{p}""",\n' for p in PATTERN_PARTS) + "    ]\n)\n"
 FAKE_SOURCES = {
     "class": "import tiktoken\n\nclass TikTokenTokenizer:\n    num_reserved_special_tokens = 256\n\n    pat_str = "
     + _JOIN.replace("\n", "\n    ")
     + "\n    def __init__(self, vocab_file):\n        raise RuntimeError('never run')\n",
     "init": "import tiktoken\n\nclass TikTokenTokenizer:\n    def __init__(self, vocab_file):\n        self.pat_str = "
-    + _JOIN.replace("\n", "\n        ") + "\n        raise RuntimeError('never run')\n",
+    + _JOIN.replace("\n", "\n        ")
+    + "\n        raise RuntimeError('never run')\n",
 }
 MERGES = [b"th", b"the", b"in", b"  ", b"    ", b"er", b" the", b"\xe4\xb8"]
 

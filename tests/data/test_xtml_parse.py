@@ -294,8 +294,8 @@ MALFORMED = [
     (f"{C}think{S}{O}tools{S}" + _call("f", _el("argument", "v", ' type="string"') + _arg("k", "string", "w") +
                                        _el("json", "{}")) +
      _call("g", _el("json", '{"a": 1}') + _arg("k", "string", "v"), 2) + f"{C}tools{S}" + END,
-     f'{O}argument type="string"{S}v{C}argument{S}{O}json{S}{{}}{C}json{S}'
-     f'{O}argument key="k" type="string"{S}v{C}argument{S}', "",
+     (f'{O}argument type="string"{S}v{C}argument{S}{O}json{S}{{}}{C}json{S}'
+     f'{O}argument key="k" type="string"{S}v{C}argument{S}'), "",
      [("f", '{"k": "w"}'), ("g", '{"a": 1}')],
      ["an argument without a key in call 0 (f): kept in content",
       "a second json block or one after arguments in call 0 (f): kept in content",

@@ -9,13 +9,12 @@ import shutil
 
 import pytest
 import torch
+from fixture_paths import LOGITS, MXFP4, PLAIN
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from openk3 import K3Config, K3ForCausalLM
 from openk3.utils import rel_rms
-
-from fixture_paths import LOGITS, MXFP4, PLAIN
 
 
 def _tensors(folder):
@@ -23,7 +22,7 @@ def _tensors(folder):
     for name in sorted(os.listdir(folder)):
         if name.endswith(".safetensors"):
             with safe_open(os.path.join(folder, name), "pt") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})
+                out.update({k: f.get_tensor(k) for k in f})
     return out
 
 
@@ -136,7 +135,9 @@ def test_wrong_shape_is_named(tmp_path):
     def edit(t):
         t["language_model.model.layers.3.self_attn.q_b_proj.weight"] = torch.zeros(47, 32, dtype=torch.bfloat16)
 
-    with pytest.raises(ValueError, match=r"wrongly shaped tensors: .*q_b_proj\.weight \(47, 32\) \(expected \(48, 32\)\)"):
+    with pytest.raises(
+        ValueError, match=r"wrongly shaped tensors: .*q_b_proj\.weight \(47, 32\) \(expected \(48, 32\)\)"
+    ):
         K3ForCausalLM.from_pretrained(_copy_with(tmp_path, edit))
 
 

@@ -17,14 +17,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from config_edit import edited_preset
+from fixture_paths import LOGITS, MXFP4, PLAIN
 from safetensors.torch import load_file, save_file
 
 from openk3 import K3Config, K3ForCausalLM
 from openk3.data.tokenizer import load_tokenizer, train_bpe
 from openk3.utils import rel_rms
-
-from config_edit import edited_preset
-from fixture_paths import LOGITS, MXFP4, PLAIN
 
 INDEX = "model.safetensors.index.json"
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from fixture_paths import PLAIN
+
 from openk3.config import K3Config
 from openk3.model.model import CausalLMOutput, K3ForCausalLM
 

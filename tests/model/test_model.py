@@ -152,7 +152,7 @@ def test_init_weights_follows_the_recipe():
             assert torch.all(p == 0), name  # AttnRes starts as the plain mean of its sources
         elif name.endswith(("A_log", "e_score_correction_bias")):
             assert torch.all(p == 0), name
-        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        elif name.endswith(("norm.weight", "layernorm.weight")):
             assert torch.all(p == 1), name
     dt = torch.nn.functional.softplus(params["model.layers.0.self_attn.dt_bias"])
     assert dt.min() >= 1e-4 - 1e-9 and dt.max() <= 0.1 + 1e-6
@@ -325,14 +325,15 @@ def test_kda_runs_the_branch_its_mode_names(tiny, monkeypatch):
     and writes nothing, DECODE runs the step. Modes are inferred only as full / decode / extend and checked."""
     import openk3.model.kda as kda_module
     from openk3.model.batch import ForwardBatch, Mode
-    from openk3.ops import cpu_kernels
     from openk3.model.cache import K3Cache
+    from openk3.ops import cpu_kernels
     from openk3.ops.dispatch import use_impl
 
     layer = tiny.model.layers[0].self_attn
     calls: list[str] = []
     for name in ("kda_step", "kda_chunked", "kda_verify", "short_conv", "short_conv_varlen", "short_conv_few"):
-        def spy(*args, _fn=getattr(kda_module, name), _name=name, **kwargs):
+
+        def spy(*args, _fn=getattr(kda_module, name), _name=name, **kwargs):  # noqa: B008 - bound per name
             calls.append(_name)
             return _fn(*args, **kwargs)
 
@@ -371,6 +372,7 @@ def test_kda_runs_the_branch_its_mode_names(tiny, monkeypatch):
     assert ext_calls.count("kda_chunked") == 1 and ext_calls.count("short_conv_varlen") == 3
     assert "kda_step" not in ext_calls and "short_conv_few" not in ext_calls
     assert rel_rms(extend, decode) <= 1e-5
+
     def tensors(entry):
         tails, state = entry.load()
         return [*tails, state]

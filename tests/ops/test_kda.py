@@ -62,7 +62,6 @@ def random_op_inputs(B, T, H=2, K=32, V=16, seed=0, dtype=torch.float32):
     return op_inputs(make_raw(B, T, H, K, V, seed, dtype), make_params(B, H, K, V, seed + 1, dtype))
 
 
-
 # 1. Gate
 
 
@@ -136,9 +135,7 @@ def test_recurrent_matches_matrix_form_fp64():
 # 3. Chunked vs recurrent
 
 
-@pytest.mark.parametrize(
-    "T, with_h0", [(T, h0) for T in LENGTHS[:-1] for h0 in (False, True)] + [(1000, True)]
-)
+@pytest.mark.parametrize("T, with_h0", [(T, h0) for T in LENGTHS[:-1] for h0 in (False, True)] + [(1000, True)])
 def test_chunked_matches_recurrent(T, with_h0):
     B, H, K, V = 2, 2, 32, 16
     q, k, v, g, beta = random_op_inputs(B, T, H, K, V, seed=T)

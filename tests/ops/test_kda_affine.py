@@ -47,7 +47,7 @@ def test_composed_summaries_reproduce_one_pass(cuts, dtype):
     assert rel_rms(states[-1], S_full) <= tol
     outputs = []
     for seg, S_in in zip(segments, states):
-        o_seg, S_out = kda_chunked(*seg, initial_state=S_in, output_final_state=True)
+        o_seg, _S_out = kda_chunked(*seg, initial_state=S_in, output_final_state=True)
         outputs.append(o_seg)
     assert rel_rms(torch.cat(outputs, 1), o_full) <= tol
 

@@ -121,7 +121,9 @@ def test_attention_kernel_matches_reference(Tq, Tk):
     # The last query sees every key: compare with a plain softmax row.
     p = torch.softmax(torch.einsum("hd,khd->hk", q[-1], k) * scale, -1)
     assert rel_rms(out[-1], torch.einsum("hk,khv->hv", p, v)) < 1e-6
-    batched = causal_attention(q[None].repeat(2, 1, 1, 1), k[None].repeat(2, 1, 1, 1), v[None].repeat(2, 1, 1, 1), scale)
+    batched = causal_attention(
+        q[None].repeat(2, 1, 1, 1), k[None].repeat(2, 1, 1, 1), v[None].repeat(2, 1, 1, 1), scale
+    )
     assert rel_rms(batched[1], out) < 1e-6
 
 

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 
@@ -23,7 +22,7 @@ def _entry(rank: int, world: int, store: str, fn, args, results, timeout: timede
                             timeout=timeout)  # fmt: skip
     try:
         results[rank] = fn(rank, world, *args)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any failure of a rank goes back to the parent, with its traceback
         results[rank] = RuntimeError(traceback.format_exc())
     finally:
         dist.destroy_process_group()

@@ -37,8 +37,9 @@ def _train(nproc: int, layout: list[str], out: str) -> subprocess.CompletedProce
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank: nothing is left running
         output, _ = proc.communicate()
-        pytest.fail(f"{layout} still running after {LAUNCH_DEADLINE_S} s (a hang the watchdog missed):\n"
-                    f"{output[-4000:]}")
+        pytest.fail(
+            f"{layout} still running after {LAUNCH_DEADLINE_S} s (a hang the watchdog missed):\n{output[-4000:]}"
+        )
     return subprocess.CompletedProcess(cmd, proc.returncode, output)
 
 

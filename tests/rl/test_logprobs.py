@@ -42,7 +42,9 @@ def recorded_routes(model, sequences) -> list[torch.Tensor]:
     fed = [s[:-1] for s in sequences if len(s) > 1]
     try:
         with torch.no_grad():
-            model.forward_batch(ForwardBatch.from_lengths(torch.tensor([t for s in fed for t in s]), list(map(len, fed))))
+            model.forward_batch(
+                ForwardBatch.from_lengths(torch.tensor([t for s in fed for t in s]), list(map(len, fed)))
+            )
     finally:
         for moe in moes:
             moe.observer = None

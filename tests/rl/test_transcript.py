@@ -25,15 +25,23 @@ def tokenizer():
 
 
 def _call(i: int, code: str) -> dict:
-    return {"id": f"call_{i}", "type": "function", "function": {"name": "python", "arguments": json.dumps({"code": code})}}
+    return {
+        "id": f"call_{i}",
+        "type": "function",
+        "function": {"name": "python", "arguments": json.dumps({"code": code})},
+    }
 
 
 @pytest.mark.parametrize("thinking, effort", [(False, None), (True, None), (True, "low"), (True, "max")])
 def test_episode_stream_equals_the_whole_rendering(tokenizer, thinking, effort):
     initial = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "What is 12 * 34 + 5?"}]
     turns = [
-        {"role": "assistant", "content": "", "reasoning_content": "two products first",
-         "tool_calls": [_call(0, "print(12 * 34)"), _call(1, "print(5)")]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "two products first",
+            "tool_calls": [_call(0, "print(12 * 34)"), _call(1, "print(5)")],
+        },
         {"role": "tool", "tool_call_id": "call_0", "name": "python", "content": "408"},
         {"role": "tool", "tool_call_id": "call_1", "name": "python", "content": "5"},
         {"role": "assistant", "content": "", "tool_calls": [_call(2, "print(408 + 5)")]},

@@ -78,7 +78,9 @@ def test_kernels_equal_the_torch_path_in_every_cache_state(scenario):
         prompts = _prompts(model)
         _, ref_tokens, ref_rows = _run(model, options, prompts, rounds)
         margin = 1e-4
-        clear = {rid: _clear_steps(model, prompts[int(rid.split("-")[1])], out, margin) for rid, out in ref_tokens.items()}
+        clear = {
+            rid: _clear_steps(model, prompts[int(rid.split("-")[1])], out, margin) for rid, out in ref_tokens.items()
+        }
     engine, tokens, rows = _run(model, options, prompts, rounds)
     compared = 0
     for rid, ref in ref_tokens.items():

@@ -44,7 +44,9 @@ def test_the_stack_equals_the_layer_loop_bit_for_bit(dtype, calls):
     for rid, out in outs.items():
         assert out.outputs[0].token_ids == ref_outs[rid].outputs[0].token_ids, rid
         assert torch.equal(torch.stack(rows[rid]), torch.stack(ref_rows[rid])), rid
-        assert torch.equal(torch.as_tensor(out.outputs[0].routed_experts), torch.as_tensor(ref_outs[rid].outputs[0].routed_experts))
+        assert torch.equal(
+            torch.as_tensor(out.outputs[0].routed_experts), torch.as_tensor(ref_outs[rid].outputs[0].routed_experts)
+        )
     for a, b in zip(pools, ref_pools):  # released slots are poisoned with NaN in both
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
@@ -77,7 +79,9 @@ def test_the_stack_feeds_observers_in_layer_order(calls):
     moes = [layer.block_sparse_moe for layer in model.model.layers if hasattr(layer, "block_sparse_moe")]
     for stack in (True, False):
         for m in moes:
-            m.observer = lambda module, scores, idx, s=stack: seen[s].append((module.moe_index, scores.clone(), idx.clone()))
+            m.observer = lambda module, scores, idx, s=stack: seen[s].append(
+                (module.moe_index, scores.clone(), idx.clone())
+            )
         engine = make_engine(model, hash_unit=16, block_size=16)
         engine.add_request({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=3, ignore_eos=True), "0")
         with dispatch.use_impl("decode_stack", "fused" if stack else "ref"):

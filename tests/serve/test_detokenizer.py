@@ -10,8 +10,8 @@ import pytest
 import torch
 from serve_helpers import bpe_tokenizer
 
-from openk3.data.tokenizer import ByteTokenizer, TikTokenTokenizer
 from openk3.data.detokenizer import IncrementalDetokenizer
+from openk3.data.tokenizer import ByteTokenizer, TikTokenTokenizer
 
 VOCAB, BOS, EOS, PAD = 1024, 768, 770, 1023
 TEXT = "héllo wörld — 你好，世界 🎉🎉 naïve café\n\tdef f(x): return x ** 2  # ∑ résumé ✓ " * 3

@@ -100,8 +100,9 @@ def test_completion_streamed_and_not(handlers):
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 8
     assert body["usage"]["prompt_tokens"] == len(TOKENIZER.encode("def f(x):", add_bos=True))
-    events = _stream(completion.create_completion, CompletionRequest(**req, stream=True,
-                                                                     stream_options={"include_usage": True}))
+    events = _stream(
+        completion.create_completion, CompletionRequest(**req, stream=True, stream_options={"include_usage": True})
+    )
     assert events[-1] == "[DONE]" and events[-2]["choices"] == []
     assert _counts(events[-2]["usage"]) == _counts(body["usage"])
     chunks = [e["choices"][0] for e in events[:-2]]
@@ -138,8 +139,9 @@ def test_chat_streamed_and_not(handlers):
     assert choice["message"]["role"] == "assistant" and "reasoning_content" not in choice["message"]
     tokens = choice["logprobs"]["content"]
     assert body["usage"]["completion_tokens"] == len(tokens) and all(len(t["top_logprobs"]) == 3 for t in tokens)
-    events = _stream(chat.create_chat_completion, ChatCompletionRequest(**req, stream=True,
-                                                                        stream_options={"include_usage": True}))
+    events = _stream(
+        chat.create_chat_completion, ChatCompletionRequest(**req, stream=True, stream_options={"include_usage": True})
+    )
     assert events[-1] == "[DONE]" and _counts(events[-2]["usage"]) == _counts(body["usage"])
     deltas = [e["choices"][0] for e in events[:-2]]
     assert deltas[0]["delta"] == {"role": "assistant", "content": ""}

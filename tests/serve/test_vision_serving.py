@@ -35,9 +35,9 @@ from openk3.data.vision import image_prompt, num_image_tokens, preprocess
 from openk3.serve.async_engine import AsyncLLM
 from openk3.serve.config import ServeConfig
 from openk3.serve.engine import LLM, LLMEngine
+from openk3.serve.protocol import chat_request
 from openk3.serve.request import SamplingParams
 from openk3.serve.scheduler import StepPlan
-from openk3.serve.protocol import chat_request
 from openk3.serve.server import build_app
 
 CKPT = PLAIN
@@ -97,7 +97,9 @@ def test_engine_matches_full_multimodal_forward(vlm, case):
     if case == "chunked":  # the 12 image rows (positions 3..14) are split over four 4-token chunks
         calls = []
         run = engine.runner.run
-        engine.runner.run = lambda reqs, i, r, verify=False: calls.append([len(x) for x in i]) or run(reqs, i, r, verify)
+        engine.runner.run = lambda reqs, i, r, verify=False: (
+            calls.append([len(x) for x in i]) or run(reqs, i, r, verify)
+        )
     got, out = _generate(engine, {"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
     assert got[:clear] == ref[:clear]
     expected_len = len(prompt) - len(images) + sum(num_image_tokens(g) for g in preprocess(images)[1])

@@ -76,8 +76,10 @@ def test_signal_saves_stops_cleanly_and_resumes_exactly(corpus, tmp_path, sig, c
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     metrics, deadline = os.path.join(run, "metrics.jsonl"), time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
-        if os.path.exists(metrics) and len(open(metrics).readlines()) >= 2:
-            break
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                if len(f.readlines()) >= 2:
+                    break
         time.sleep(0.05)
     assert proc.poll() is None, proc.communicate()[0]
     proc.send_signal(sig)

@@ -77,8 +77,13 @@ def test_packed_forward_matches_the_padded_reference(data, model):
         for k, (ex, n) in enumerate(zip(examples, batch.seq_lens)):
             ids = batch.input_ids[start : start + n]
             ph = data.encoder.placeholder
-            one = torch.cat([ids[ids != ph][: (ids == ph).nonzero()[0, 0]], torch.tensor([ph]),
-                             ids[(ids == ph).nonzero()[-1, 0] + 1 :]])  # fmt: skip  (one placeholder: expanded)
+            one = torch.cat(
+                [
+                    ids[ids != ph][: (ids == ph).nonzero()[0, 0]],
+                    torch.tensor([ph]),
+                    ids[(ids == ph).nonzero()[-1, 0] + 1 :],
+                ]
+            )  # fmt: skip  (one placeholder: expanded)
             pv, grid, _ = data.encoder.images([ex])
             ref = model(one[None], pixel_values=pv, grid_thws=grid).logits[0]
             got = packed[start : start + n]
@@ -148,7 +153,14 @@ def test_resume_is_exact_and_evaluates_with_the_blank_baseline(tmp_path):
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert [r["grad_norm_tower"] for r in a] == [r["grad_norm_tower"] for r in b]
     last = a[-1]
-    for key in ("vision_exact", "vision_cer", "vision_exact_text", "vision_exact_blank", "vision_cer_blank", "val_loss"):
+    for key in (
+        "vision_exact",
+        "vision_cer",
+        "vision_exact_text",
+        "vision_exact_blank",
+        "vision_cer_blank",
+        "val_loss",
+    ):
         assert key in last, key
     assert "vision_exact_blank" not in a[1]  # the blank baseline: final evaluation only
     # `k3 export/serve --ckpt RUN` open a vision run as the multimodal model, with the trained weights
@@ -188,7 +200,9 @@ def test_clip_loss_by_hand():
     loss, acc = clip_loss(img, txt, scale, ["a", "b", "b"])  # captions 1 and 2 are equal: shared positives
     logits = 10.0 * img @ txt.T
     targets = torch.tensor([[1.0, 0, 0], [0, 0.5, 0.5], [0, 0.5, 0.5]])
-    by_hand = 0.5 * (-(targets * logits.log_softmax(1)).sum(1).mean() - (targets * logits.T.log_softmax(1)).sum(1).mean())
+    by_hand = 0.5 * (
+        -(targets * logits.log_softmax(1)).sum(1).mean() - (targets * logits.T.log_softmax(1)).sum(1).mean()
+    )
     assert float(loss) == pytest.approx(float(by_hand), rel=1e-6)
     assert acc == 1.0  # image 1 picks caption 1 or 2, both "b"
 

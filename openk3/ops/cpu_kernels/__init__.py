@@ -516,7 +516,9 @@ class MLADecode:
         rc = _lib.openk3_mla_decode_in(int(self.dtype == torch.bfloat16), N, *self._in, x_ND.data_ptr(),
                                        *self._in_weights, q.data_ptr(), latent.data_ptr(), g.data_ptr())  # fmt: skip
         if rc:
-            raise RuntimeError(f"openk3_mla_decode_in refused N={N} (at most {MAX_ROWS}), r={self.r}, r + rope={self.R}")
+            raise RuntimeError(
+                f"openk3_mla_decode_in refused N={N} (at most {MAX_ROWS}), r={self.r}, r + rope={self.R}"
+            )
         return q, latent, g
 
     def output(self, q_NQ: torch.Tensor, latent_NSR: torch.Tensor, lens: list[int], w_uk: torch.Tensor,

@@ -126,7 +126,12 @@ class DecodeStack:
     def set_moe(self, l: int, idx_Tk: torch.Tensor, scores_TE: torch.Tensor, weights_Tk: torch.Tensor,
                 replay: bool) -> None:  # fmt: skip
         a = self.args[l]
-        a.idx, a.scores, a.weights, a.replay = idx_Tk.data_ptr(), scores_TE.data_ptr(), weights_Tk.data_ptr(), int(replay)
+        a.idx, a.scores, a.weights, a.replay = (
+            idx_Tk.data_ptr(),
+            scores_TE.data_ptr(),
+            weights_Tk.data_ptr(),
+            int(replay),
+        )
 
     def __call__(self, x_ND: torch.Tensor, write_N: torch.Tensor | None, read_NS: torch.Tensor | None,
                  len_N: torch.Tensor | None) -> torch.Tensor:  # fmt: skip

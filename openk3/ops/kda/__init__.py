@@ -14,6 +14,15 @@ from openk3.ops.kda.step import KDASteps, kda_fold, kda_step, kda_verify
 from openk3.ops.kda.tile_ref import kda_chunked_tiles
 
 __all__ = [
-    "KDASteps", "compose_summaries", "entry_states", "kda_chunked", "kda_chunked_tiles", "kda_gate", "kda_recurrent",
-    "kda_fold", "kda_segment_summary", "kda_step", "kda_verify",
+    "KDASteps",
+    "compose_summaries",
+    "entry_states",
+    "kda_chunked",
+    "kda_chunked_tiles",
+    "kda_fold",
+    "kda_gate",
+    "kda_recurrent",
+    "kda_segment_summary",
+    "kda_step",
+    "kda_verify",
 ]  # fmt: skip

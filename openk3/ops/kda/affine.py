@@ -56,7 +56,7 @@ def compose_summaries(summaries: list[tuple[torch.Tensor, torch.Tensor]]) -> tup
 
 def entry_states(summaries: list[tuple[torch.Tensor, torch.Tensor]], initial_state: torch.Tensor | None = None):
     """Entering state of every segment (and the final state last): S_{j+1} = M_j S_j + S_ext_j from S_0."""
-    M0, S_ext0 = summaries[0]
+    _M0, S_ext0 = summaries[0]
     state = torch.zeros_like(S_ext0) if initial_state is None else initial_state.to(S_ext0.dtype)
     states = [state]
     for M, S_ext in summaries:

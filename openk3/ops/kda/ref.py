@@ -132,8 +132,9 @@ def run_sequences(
         o_parts, S_parts = [], []
         for n in range(num_states):
             tokens = slice(bounds[n], bounds[n + 1])
-            o_n, S_n = sequence_fn(q[:, tokens], k[:, tokens], v[:, tokens], g[:, tokens], beta[:, tokens],
-                                   initial_state[n : n + 1], scale)
+            o_n, S_n = sequence_fn(
+                q[:, tokens], k[:, tokens], v[:, tokens], g[:, tokens], beta[:, tokens], initial_state[n : n + 1], scale
+            )
             o_parts.append(o_n)
             S_parts.append(S_n)
         o_BTHV, S_NHKV = torch.cat(o_parts, dim=1), torch.cat(S_parts, dim=0)

@@ -40,9 +40,7 @@ def kda_step(
     scale = K**-0.5 if scale is None else scale
     dtype = compute_dtype(q, k, v, g, beta, state)
     # Contiguous operands: the same memory layout as the per-step slices inside kda_recurrent.
-    q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, S_BHKV = (
-        x.to(dtype).contiguous() for x in (q, k, v, g, beta, state)
-    )
+    q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, S_BHKV = (x.to(dtype).contiguous() for x in (q, k, v, g, beta, state))
     o_BHV, S_BHKV = recurrence_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, S_BHKV, scale)
     return o_BHV.to(v.dtype), S_BHKV
 

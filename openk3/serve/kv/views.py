@@ -17,9 +17,9 @@ Legend: N sequences, S tokens of one sequence, R latent width, B page size.
 
 from __future__ import annotations
 
-import torch
-
 from typing import NamedTuple
+
+import torch
 
 from openk3.model.cache import KDAInOut
 from openk3.ops.kda.step import KDASteps

@@ -272,7 +272,8 @@ def two_jobs_main(argv: list[str]) -> int:
                          f"{x['slowdown']:.2f}x |")  # fmt: skip
     lines += ["", ("Slowdown: the slower of the two jobs started together over the job alone, in the same round. The "
               "default rule is openk3's (`openk3/threads.py`): threads from the cores free at start, OpenMP threads "
-              "that wait sleep; the rule before it took every physical core and let waiting threads spin.")]  # fmt: skip
+              "that wait spin briefly, then sleep; the rule before it took every physical core and libgomp's "
+              "longer spin.")]  # fmt: skip
     markdown = "\n".join(lines) + "\n"
     print(markdown)
     write_report(report, args.out, markdown)

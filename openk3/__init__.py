@@ -7,7 +7,8 @@ files, our BPE, or the byte fallback); `K3ForConditionalGeneration` is the model
 
 from openk3.threads import default_omp_wait_policy
 
-# Before torch loads OpenMP: threads that finish early sleep instead of spinning on a core another job needs
+# Before torch loads OpenMP: threads that finish early spin briefly, then sleep, instead of holding a core another
+# job needs
 # (openk3/threads.py says why and how to override).
 default_omp_wait_policy()
 

@@ -7,11 +7,13 @@
    of them. Never fewer than one.
 2. **Waiting.** OpenMP threads that finish a parallel region early spin on their core for a while (libgomp's
    default: 300,000 turns, then sleep), for ever (`OMP_WAIT_POLICY=ACTIVE`), or sleep at once (`PASSIVE`).
-   Spinning wins a little on an idle machine and loses badly on a shared one: a spinning thread takes the core a
-   thread of the other job needed, so every barrier waits for a descheduled thread (measured: a tiny training step
-   12.6x slower at 3.5-4.5x oversubscription). openk3 sets `OMP_WAIT_POLICY=PASSIVE` unless the user set a policy
-   (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`); libgomp reads it once, when torch loads it, so this runs when `openk3`
-   is imported (before torch) and has no effect where torch was imported first.
+   Spinning long loses badly on a shared machine: a spinning thread takes the core a thread of the other job
+   needed, so every barrier waits for a descheduled thread (measured: a tiny training step 12.6x slower at 3.5-4.5x
+   oversubscription). Sleeping at once costs an idle machine a wake-up at every barrier (measured on 2 cores: tiny
+   training 1.2x slower with `PASSIVE` than with libgomp's default, while 10,000 turns matched the default). So
+   openk3 sets `GOMP_SPINCOUNT=10000` (a short spin, then sleep) unless the user set a policy (`OMP_WAIT_POLICY` or
+   `GOMP_SPINCOUNT`); libgomp reads it once, when torch loads it, so this runs when `openk3` is imported (before
+   torch) and has no effect where torch was imported first.
 
 The count is chosen once, at start, and a run never changes it: results may depend on the thread count (a matmul's
 reduction order), so a run that must be reproducible across machines or loads names `--threads`.
@@ -23,18 +25,18 @@ from __future__ import annotations
 import os
 import time
 
-OMP_WAIT_POLICY_DEFAULT = "PASSIVE"
+# Turns a waiting OpenMP thread spins before it sleeps (libgomp's default is 300,000).
+SPIN_COUNT_DEFAULT = "10000"
 # How long `busy_cores_of_others` watches the machine: long enough to see a running job (scheduler ticks are 4 ms
 # or less), short enough not to be noticed at start.
 SAMPLE_S = 0.25
 
 
 def default_omp_wait_policy() -> None:
-    """Rule 2: `OMP_WAIT_POLICY=PASSIVE` unless the user set a policy (`OMP_WAIT_POLICY`, or libgomp's
-    `GOMP_SPINCOUNT`, e.g. 300000 for libgomp's own default: spin a while, then sleep). Inherited by every process a
-    command starts."""
+    """Rule 2: `GOMP_SPINCOUNT=10000` unless the user set a policy (`OMP_WAIT_POLICY`, or `GOMP_SPINCOUNT`, e.g.
+    300000 for libgomp's own default). Inherited by every process a command starts."""
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = OMP_WAIT_POLICY_DEFAULT
+        os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT_DEFAULT
 
 
 def _allowed_cpus() -> list[int]:

@@ -84,7 +84,7 @@ def weight_files(path: str) -> dict[str, str]:
     single = file_inside(path, SINGLE_FILE)
     if os.path.exists(single):
         with _open_safetensors(single) as f:
-            return {k: single for k in f}
+            return {k: single for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
     pickles = [n for n in os.listdir(path) if n.endswith(PICKLE_SUFFIXES)]
     if pickles:
         raise ValueError(

@@ -22,7 +22,7 @@ def _tensors(folder):
     for name in sorted(os.listdir(folder)):
         if name.endswith(".safetensors"):
             with safe_open(os.path.join(folder, name), "pt") as f:
-                out.update({k: f.get_tensor(k) for k in f})
+                out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 - safe_open is not iterable
     return out
 
 
